@@ -1,0 +1,24 @@
+# Shared by scripts/demo and scripts/test: create .venv if missing and install
+# the project into it. Sourced, not executed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+# torch first, pinned, so that pip does not pull a multi-GB CUDA build when the
+# open range in pyproject.toml meets an empty environment. Override with
+# ZEPHON_TORCH_SPEC (e.g. "torch" to take whatever your index serves).
+TORCH_SPEC="${ZEPHON_TORCH_SPEC:-torch==2.13.0}"
+STAMP="$VENV/.zephon-installed"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_env.sh" | sha256sum | cut -c1-16) $TORCH_SPEC"
+if [ ! -x "$PY" ]; then
+    echo "[zephon] creating virtual environment in .venv" >&2
+    python3 -m venv "$VENV"
+fi
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    echo "[zephon] installing $TORCH_SPEC and the project (first run only)" >&2
+    "$PY" -m pip install --quiet --upgrade pip setuptools wheel
+    "$PY" -m pip install --quiet "$TORCH_SPEC"
+    "$PY" -m pip install --quiet -e "$ROOT[dev,parquet,zstd,fsspec]"
+    echo "$WANT" > "$STAMP"
+fi
+cd "$ROOT"

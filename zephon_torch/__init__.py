@@ -1,0 +1,25 @@
+"""zephon_torch: a deterministic, checkpointable data pipeline for LLM training.
+
+The core (data model, operators, sources, runners) imports numpy and the
+standard library only; torch, torchdata, Lightning and Ray are imported by the
+integration modules that need them, when they are used.
+"""
+
+from zephon_torch.types import (
+    ContributorRef,
+    SampleBatch,
+    SampleCursor,
+    SampleMeta,
+    SampleRecord,
+)
+
+__all__ = [
+    "ContributorRef",
+    "SampleBatch",
+    "SampleCursor",
+    "SampleMeta",
+    "SampleRecord",
+    "__version__",
+]
+
+__version__ = "0.1.0"

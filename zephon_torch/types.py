@@ -1,0 +1,513 @@
+"""The data model every stage of a pipeline speaks.
+
+Two kinds of element travel between stages: a :class:`SampleRecord` (one
+sample: its :class:`SampleMeta` and its payload) and, after ``batch()``, a
+:class:`SampleBatch` of records of one lane.
+
+Identity and order live in the meta. A base sample is named by
+``sample_id = (dataset_id, shard_id, local_sample_id)`` and placed by
+``(lane_id, chunk_id, chunk_offset)``. When an operator splits one record into
+several, output ``i`` gets ``meta.child(i)``, which appends ``i`` to the
+``lineage``. The cursor key ``(chunk_id, chunk_offset, lineage, sample_id)``
+then sorts records exactly as a single-threaded run emits them::
+
+    doc at chunk 3, offset 7      -> key (3, 7, (),   sid)
+    ...its first piece            -> key (3, 7, (0,), sid)
+    ...its second piece           -> key (3, 7, (1,), sid)
+    next doc, chunk 3, offset 8   -> key (3, 8, (),   sid')
+
+Control information rides in ``meta.tags`` under reserved keys (see
+:data:`CONTRIBUTORS_TAG` and its neighbours): the contributors of a packed
+record, the tombstone marker of a dropped sample, the flush-sentinel marker,
+and the packing metadata (trailing padding length) written by ``pack_flat``.
+
+Every class here is a frozen dataclass. They are created once per sample, so
+constructors do no validation and no copying: containers handed in are kept
+as they are and must not be mutated afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    from typing import Literal
+
+__all__ = [
+    "CONTRIBUTORS_TAG",
+    "FLUSH_SENTINEL_TAG",
+    "PACKING_METADATA_TAG",
+    "TOMBSTONE_TAG",
+    "ChunkId",
+    "ChunkOffset",
+    "ComponentId",
+    "ContributorRef",
+    "CursorKey",
+    "DatasetId",
+    "LaneId",
+    "LineageIndex",
+    "LocalSampleId",
+    "SampleBatch",
+    "SampleCursor",
+    "SampleId",
+    "SampleMeta",
+    "SamplePayload",
+    "SamplePayloadArray",
+    "SampleRecord",
+    "ShardId",
+]
+
+ChunkId = int
+ChunkOffset = int
+ComponentId = int
+DatasetId = int
+LaneId = int
+LineageIndex = int
+LocalSampleId = int
+ShardId = int
+#: A 1-D array of token ids: a numpy array, a torch tensor or a list of ints.
+SamplePayloadArray = Any
+#: ``(dataset_id, shard_id, local_sample_id)``.
+SampleId = tuple[int, int, int]
+#: ``(chunk_id, chunk_offset, lineage, sample_id)``: the canonical cursor key.
+CursorKey = tuple[int, int, tuple[int, ...], SampleId]
+SamplePayload = Union[  # a recursive alias: Union[...] takes the string forms
+    bytes,
+    memoryview,
+    str,
+    int,
+    float,
+    complex,
+    SamplePayloadArray,
+    "list[SamplePayload]",
+    "dict[Any, SamplePayload]",
+]
+
+#: Tag holding the tuple of :class:`ContributorRef` of a multi-input record.
+CONTRIBUTORS_TAG = "_contributors"
+#: Tag marking a tombstone: a dropped sample that still closes its base offset.
+TOMBSTONE_TAG = "_tombstone"
+#: Tag marking a flush sentinel; its ``chunk_id`` is the epoch boundary.
+FLUSH_SENTINEL_TAG = "_flush_sentinel"
+#: Tag holding ``{"padding_length": int, ...}``, written by ``pack_flat``.
+PACKING_METADATA_TAG = "_packing_metadata"
+
+_EMPTY_TAGS: Mapping[str, Any] = {}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SampleCursor:
+    """Stable ordering key that survives fan-out across the pipeline.
+
+    Cursors compare (``<``, ``==``, ...) by :meth:`as_key`, so sorting cursors
+    gives the order in which a single-threaded run emits their records.
+    """
+
+    chunk_id: int
+    chunk_offset: int
+    sample_id: tuple[int, int, int]
+    lineage: tuple[int, ...] = field(default_factory=tuple)
+
+    @staticmethod
+    def from_key(key: Sequence[Any]) -> SampleCursor:
+        """Rebuild a cursor from :meth:`as_key` output (lists from JSON work too)."""
+        chunk_id, chunk_offset, lineage, sample_id = key
+        return SampleCursor(
+            int(chunk_id), int(chunk_offset), tuple(int(s) for s in sample_id),
+            tuple(int(i) for i in lineage),
+        )
+
+    def child(self, index: int) -> SampleCursor:
+        """Return the cursor for the ``index``-th child of this element."""
+        return SampleCursor(self.chunk_id, self.chunk_offset, self.sample_id,
+                            (*self.lineage, index))
+
+    def as_key(self) -> tuple[int, int, tuple[int, ...], tuple[int, int, int]]:
+        """Return the canonical tuple key used in checkpoints and comparisons."""
+        return (self.chunk_id, self.chunk_offset, self.lineage, self.sample_id)
+
+    @property
+    def base_offset(self) -> tuple[int, int]:
+        """Return ``(chunk_id, chunk_offset)`` for eviction/base-offset accounting."""
+        return (self.chunk_id, self.chunk_offset)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SampleCursor):
+            return NotImplemented
+        return self.as_key() == other.as_key()
+
+    def __hash__(self) -> int:
+        return hash(self.as_key())
+
+    def __lt__(self, other: SampleCursor) -> bool:
+        if not isinstance(other, SampleCursor):
+            return NotImplemented
+        return self.as_key() < other.as_key()
+
+    def __le__(self, other: SampleCursor) -> bool:
+        if not isinstance(other, SampleCursor):
+            return NotImplemented
+        return self.as_key() <= other.as_key()
+
+    def __gt__(self, other: SampleCursor) -> bool:
+        if not isinstance(other, SampleCursor):
+            return NotImplemented
+        return self.as_key() > other.as_key()
+
+    def __ge__(self, other: SampleCursor) -> bool:
+        if not isinstance(other, SampleCursor):
+            return NotImplemented
+        return self.as_key() >= other.as_key()
+
+
+@dataclass(frozen=True, slots=True)
+class ContributorRef:
+    """Reference to a contributing child derived from a base sample.
+
+    ``cursor`` pinpoints the base offset and lineage; ``is_last_child=True``
+    denotes the sole contributor (or tombstone) that closes that base offset
+    for eviction purposes.
+    """
+
+    cursor: SampleCursor
+    is_last_child: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SampleMeta:
+    """Lightweight metadata that uniquely identifies a sample in a shard.
+
+    ``lineage`` tracks the deterministic position of this record after any
+    fan-out: an operator that splits an input calls :meth:`child` in emission
+    order, so downstream consumers see the order of a single-threaded run.
+
+    ``component_sample_counts`` maps a mixture component to the number of base
+    samples of that component this record holds (``{cid: 1}`` for a plain
+    sample; summed over the members of a packed record).
+    ``component_token_counts`` maps a component to its token count; it stays
+    ``None`` until packing happens after tokenization. ``ensure_mixture``
+    weighs by samples with the first and by tokens with the second (falling
+    back to splitting the record's token count in proportion to its sample
+    counts).
+
+    Contributors, the tombstone marker, the flush-sentinel marker and packing
+    metadata live in ``tags`` under reserved keys, so the common 1:1 record
+    carries none of them.
+    """
+
+    sample_id: tuple[int, int, int]
+    lane_id: int
+    chunk_id: int
+    chunk_offset: int = 0
+    component_sample_counts: dict[int, int] = field(default_factory=dict)
+    component_token_counts: dict[int, int] | None = None
+    lineage: tuple[int, ...] = field(default_factory=tuple)
+    tags: dict[str, Any] = field(default_factory=dict)
+
+    def __hash__(self) -> int:
+        return hash((self.sample_id, self.lane_id, self.chunk_id, self.chunk_offset,
+                     self.lineage))
+
+    def _replace(self, *, lineage: tuple[int, ...] | None = None,
+                 tags: dict[str, Any] | None = None) -> SampleMeta:
+        return SampleMeta(
+            self.sample_id, self.lane_id, self.chunk_id, self.chunk_offset,
+            self.component_sample_counts, self.component_token_counts,
+            self.lineage if lineage is None else lineage,
+            self.tags if tags is None else tags,
+        )
+
+    def with_lineage(self, path: Sequence[int]) -> SampleMeta:
+        """Return a new SampleMeta whose lineage is replaced by ``path``."""
+        return self._replace(lineage=tuple(path))
+
+    def child(self, index: int) -> SampleMeta:
+        """Return metadata for the ``index``-th child emitted from this sample."""
+        return self._replace(lineage=(*self.lineage, index))
+
+    @property
+    def cursor(self) -> SampleCursor:
+        """Return a :class:`SampleCursor` ordering key for this metadata."""
+        return SampleCursor(self.chunk_id, self.chunk_offset, self.sample_id, self.lineage)
+
+    def as_cursor_key(self) -> tuple[int, int, tuple[int, ...], tuple[int, int, int]]:
+        """Convenience helper returning the tuple form used for persistence."""
+        return (self.chunk_id, self.chunk_offset, self.lineage, self.sample_id)
+
+    def contribution_refs(self) -> tuple[ContributorRef, ...]:
+        """Return contributor references used for eviction/progress.
+
+        Operators that don't set contributors (1:1 outputs) are treated as
+        emitting a single contributor with ``is_last_child=True`` using their
+        own cursor.
+        """
+        refs = self.tags.get(CONTRIBUTORS_TAG)
+        if refs:
+            return refs
+        return (ContributorRef(self.cursor, True),)
+
+    def contribution_cursors(self) -> tuple[SampleCursor, ...]:
+        """Return the cursors of all contributors."""
+        return tuple(ref.cursor for ref in self.contribution_refs())
+
+    @property
+    def contributors(self) -> tuple[ContributorRef, ...]:
+        """The contributors stored in the tags (empty for a plain 1:1 record)."""
+        return self.tags.get(CONTRIBUTORS_TAG, ())
+
+    @property
+    def tombstone(self) -> bool:
+        """True if this record is a tombstone (a dropped sample)."""
+        return bool(self.tags.get(TOMBSTONE_TAG, False))
+
+    @property
+    def is_sentinel(self) -> bool:
+        """True if this record is a control signal (tombstone, flush, etc.)."""
+        tags = self.tags
+        return bool(tags) and (
+            bool(tags.get(TOMBSTONE_TAG)) or bool(tags.get(FLUSH_SENTINEL_TAG))
+        )
+
+    @property
+    def is_flush_sentinel(self) -> bool:
+        """True if this record is a flush sentinel (triggers accumulator flush)."""
+        return bool(self.tags.get(FLUSH_SENTINEL_TAG, False))
+
+    @property
+    def padding_length(self) -> int | None:
+        """Trailing pad-token count of a flat ``pack_flat`` record, else None."""
+        info = self.tags.get(PACKING_METADATA_TAG)
+        if info is None:
+            return None
+        value = info.get("padding_length")
+        return None if value is None else int(value)
+
+    def with_contributors(self, value: Sequence[ContributorRef] | None) -> SampleMeta:
+        """Return a new SampleMeta with contributors set (or cleared by ``None``/empty)."""
+        tags = dict(self.tags)
+        if value:
+            tags[CONTRIBUTORS_TAG] = tuple(value)
+        else:
+            tags.pop(CONTRIBUTORS_TAG, None)
+        return self._replace(tags=tags)
+
+    def with_tombstone(self, value: bool = True) -> SampleMeta:
+        """Return a new SampleMeta with the tombstone marker set or cleared."""
+        tags = dict(self.tags)
+        if value:
+            tags[TOMBSTONE_TAG] = True
+        else:
+            tags.pop(TOMBSTONE_TAG, None)
+        return self._replace(tags=tags)
+
+
+def payloads_equal(a: Any, b: Any) -> bool:
+    """Deep equality of two payloads, treating arrays and tensors by value.
+
+    Arrays compare equal when their dtype kind, shape and values agree, so an
+    int32 array equals the same ids held as an int32 array built elsewhere.
+    """
+    if a is b:
+        return True
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            return False
+        return all(payloads_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(payloads_equal(x, y) for x, y in zip(a, b)))
+    if _is_array(a) or _is_array(b):
+        import numpy as np
+
+        if not (_is_array(a) and _is_array(b)):
+            return False
+        x, y = _as_numpy(a), _as_numpy(b)
+        return x.dtype == y.dtype and x.shape == y.shape and bool(np.array_equal(x, y))
+    return bool(a == b)
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "__array__") and not isinstance(value, (bytes, str, memoryview))
+
+
+def _as_numpy(value: Any) -> Any:
+    import numpy as np
+
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SampleRecord:
+    """Sample payload bundled with its metadata for transport through stages.
+
+    Two records are equal when their metas are equal and their payloads are
+    equal by value (arrays compared element-wise).
+    """
+
+    meta: SampleMeta
+    payload: Any
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SampleRecord):
+            return NotImplemented
+        return self.meta == other.meta and payloads_equal(self.payload, other.payload)
+
+    def __hash__(self) -> int:
+        return hash(self.meta)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SampleBatch:
+    """A batch of :class:`SampleRecord` of one lane, in stream order.
+
+    ``SampleBatch(records)`` accepts any sequence and stores a tuple;
+    ``lane_ids`` and ``chunk_ids`` are derived from the records. A batch has
+    ``len()`` and iterates over its records.
+    """
+
+    records: tuple[SampleRecord, ...]
+    lane_ids: tuple[int, ...] = field(init=False)
+    chunk_ids: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        records = self.records if type(self.records) is tuple else tuple(self.records)
+        object.__setattr__(self, "records", records)
+        object.__setattr__(self, "lane_ids", tuple(r.meta.lane_id for r in records))
+        object.__setattr__(self, "chunk_ids", tuple(r.meta.chunk_id for r in records))
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[SampleRecord]:
+        return iter(self.records)
+
+    def __getitem__(self, index: int) -> SampleRecord:
+        return self.records[index]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SampleBatch):
+            return NotImplemented
+        return self.records == other.records
+
+    def __hash__(self) -> int:
+        return hash(self.records)
+
+    @property
+    def ids(self) -> tuple[tuple[int, int, int], ...]:
+        """The ``sample_id`` of every record."""
+        return tuple(r.meta.sample_id for r in self.records)
+
+    @property
+    def lineage_paths(self) -> tuple[tuple[int, ...], ...]:
+        """The ``lineage`` of every record."""
+        return tuple(r.meta.lineage for r in self.records)
+
+    def to_training(
+        self,
+        *,
+        tokens_field: str = "auto",
+        return_labels: bool = False,
+        dtype: Any = "auto",
+        extra_fields: Sequence[str] = (),
+        ignore_index: int = -100,
+        rename_fields: Mapping[str, str] | None = None,
+        flatten: bool = False,
+        exclude_fields: Sequence[str] = (),
+        return_num_valid_tokens: bool = False,
+        return_loss_mask: bool = False,
+        return_cu_seqlens: bool = False,
+        return_padding_mask: bool = False,
+        eos_mask_loss: bool = False,
+        eos_token_id: int | None = None,
+        position_mode: Literal["preserve", "sequence"] = "preserve",
+        device: Any = None,
+        pin_memory: bool = False,
+    ) -> dict[str, Any]:
+        """Convert the batch to a training-ready dict, with optional LM labels.
+
+        See ``docs/to_training.md`` for the full contract with worked examples.
+        In short: ``"ids"`` and ``"texts"`` are always returned as lists;
+        ``"input_ids"`` stacks the token field (``tokens_field="auto"`` looks
+        for ``input_ids``, ``tokens``, ``token_ids``, ``ids`` in that order; a
+        payload may also be a bare 1-D array of ids). With
+        ``return_labels=True``, ``input_ids = tokens[:, :-1]`` and
+        ``labels = tokens[:, 1:]``, and labels are set to ``ignore_index``
+        where they fall in a record's trailing padding
+        (``meta.padding_length``), where a payload ``loss_mask`` (shifted by
+        one, ``mask[:, 1:]``) is 0, and, with ``eos_mask_loss``, where the
+        input token is ``eos_token_id``. Payload ``positions`` (from
+        ``pack_flat``) are forwarded and sliced like ``input_ids``
+        (``position_mode="preserve"``) or replaced by ``0..S-1`` per row
+        (``"sequence"``).
+
+        Args:
+            tokens_field: Field holding the token ids, or ``"auto"``.
+            return_labels: Shift tokens into ``input_ids``/``labels``.
+            dtype: ``"auto"`` (torch.long if torch imports, else numpy int64),
+                ``None`` (Python lists), a torch dtype (tensors) or a numpy
+                dtype (arrays). Applies to token-like integer fields.
+            extra_fields: More per-token payload fields to stack; sliced like
+                ``input_ids`` when labels are returned.
+            ignore_index: Label value ignored by the loss.
+            rename_fields: ``{emitted_key: new_key}``, applied before exclusion.
+            flatten: Flatten sequence fields from ``[B, S]`` to ``[B * S]``
+                after shifting and masking; ``cu_seqlens`` becomes one compact
+                cumulative sequence and ``max_seqlen`` a Python int.
+            exclude_fields: Output names (after renaming) to omit.
+            return_num_valid_tokens: Add the count of labels that are not
+                ``ignore_index`` (a Python int). Needs ``return_labels``.
+            return_loss_mask: Add the label-aligned float32 ``loss_mask``
+                (1.0 where a label counts). Needs ``return_labels``.
+            return_cu_seqlens: Add ``cu_seqlens`` and ``max_seqlen`` derived
+                from the zeros of the input-aligned payload positions (int32).
+            return_padding_mask: Add the bool input-aligned ``padding_mask``,
+                True on trailing padding only.
+            eos_mask_loss: Ignore labels predicted from an EOS input token.
+                Careful: if BOS and EOS share an id, the first content token
+                after BOS is masked too.
+            eos_token_id: Nonnegative EOS id; required by ``eos_mask_loss``.
+            position_mode: ``"preserve"`` or ``"sequence"``.
+            device: Place every tensor on this device (``non_blocking`` when
+                the source is pinned). Needs tensor output.
+            pin_memory: Pin CPU tensors before the device copy.
+
+        Returns:
+            A dict with ``ids``, ``texts``, ``input_ids`` and, as requested,
+            ``labels``, ``positions``, the extra fields, ``num_valid_tokens``,
+            ``loss_mask``, ``cu_seqlens``, ``max_seqlen``, ``padding_mask``.
+
+        Raises:
+            TypeError: Payloads neither dicts nor arrays; ``exclude_fields``
+                given as a string.
+            ValueError: Any inconsistent request or data (see the docs page
+                for the full list); messages name the record and the field.
+
+        Warns:
+            UserWarning: ``eos_token_id`` given with ``eos_mask_loss=False``.
+        """
+        from zephon_torch._training import batch_to_training
+
+        return batch_to_training(
+            self.records,
+            tokens_field=tokens_field,
+            return_labels=return_labels,
+            dtype=dtype,
+            extra_fields=extra_fields,
+            ignore_index=ignore_index,
+            rename_fields=rename_fields,
+            flatten=flatten,
+            exclude_fields=exclude_fields,
+            return_num_valid_tokens=return_num_valid_tokens,
+            return_loss_mask=return_loss_mask,
+            return_cu_seqlens=return_cu_seqlens,
+            return_padding_mask=return_padding_mask,
+            eos_mask_loss=eos_mask_loss,
+            eos_token_id=eos_token_id,
+            position_mode=position_mode,
+            device=device,
+            pin_memory=pin_memory,
+        )

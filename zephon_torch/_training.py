@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from zephon_torch.types import PACKING_METADATA_TAG
+
 __all__ = ["AUTO_TOKEN_FIELDS", "batch_to_training"]
 
 #: Field names ``tokens_field="auto"`` looks for, in this order.
@@ -75,7 +77,7 @@ def batch_to_training(
         return_loss_mask=return_loss_mask, eos_mask_loss=eos_mask_loss,
         eos_token_id=eos_token_id, position_mode=position_mode,
     )
-    fmt = _OutputFormat(dtype, device=device, pin_memory=pin_memory)
+    fmt = _output_format(dtype, device, pin_memory)
     if not records:
         out = _empty_output(
             position_mode=position_mode, return_num_valid_tokens=return_num_valid_tokens,
@@ -84,7 +86,7 @@ def batch_to_training(
         )
         return _rename_and_exclude(out, rename_fields, exclude_fields, allow_missing=True)
 
-    batch = _Gathered(records, tokens_field, fmt.work_dtype)
+    batch = _Gathered(records, tokens_field)
     if not batch.uniform and not flatten and fmt.kind != "list":
         raise ValueError(
             f"token rows have different lengths ({_preview(batch.lengths)}) and cannot be "
@@ -92,57 +94,54 @@ def batch_to_training(
             "pass flatten=True to concatenate them, or dtype=None for per-row lists"
         )
 
-    ids = [r.meta.sample_id for r in records]
-    texts = [p.get("text", "") if isinstance(p, dict) else "" for p in batch.payloads]
-    out: dict[str, Any] = {"ids": ids, "texts": texts}
-
-    tokens = batch.tokens
+    out: dict[str, Any] = {
+        "ids": [r.meta.sample_id for r in records],
+        "texts": [_text_of(p) for p in batch.payloads],
+    }
+    work = fmt.work_dtype
+    # Input-aligned rows drop the last token when labels are made; labels drop the first.
+    part = _INPUT_PART if return_labels else _WHOLE
     lengths = batch.lengths
+    in_lengths = np.maximum(lengths - 1, 0) if return_labels else lengths
     if return_labels:
-        inputs = tokens[:, :-1]
-        in_lengths = np.maximum(lengths - 1, 0)
+        inputs, label_tokens = batch.shifted_tokens(work)
     else:
-        inputs = tokens
-        in_lengths = lengths
+        inputs, label_tokens = batch.stack(batch.tokens, _WHOLE, work), None
     width = inputs.shape[1]
     # Validity of each input-aligned slot; None when every row fills the width.
     valid = None if batch.uniform else np.arange(width) < in_lengths[:, None]
     emit = _Emitter(fmt, flatten=flatten, lengths=in_lengths, valid=valid)
-
-    padding = None
-    if return_labels or return_padding_mask:
-        padding = batch.padding_lengths()
-
-    loss_mask_raw = batch.optional_field("loss_mask")
-    positions_raw = None
-    if position_mode == "preserve" or return_cu_seqlens:
-        positions_raw = batch.optional_field("positions", required=return_cu_seqlens)
-
     out["input_ids"] = emit.seq(inputs)
+
+    padding = batch.padding_lengths() if return_labels or return_padding_mask else None
+    loss_rows = batch.field_rows("loss_mask", required=False)
+    position_rows = None
+    if position_mode == "preserve" or return_cu_seqlens:
+        position_rows = batch.field_rows("positions", required=return_cu_seqlens)
 
     labels = None
     if return_labels:
         labels = _make_labels(
-            tokens, lengths, padding, loss_mask_raw, inputs,
+            batch, label_tokens, padding, loss_rows, inputs,
             eos_token_id if eos_mask_loss else None, ignore_index,
         )
         out["labels"] = emit.seq(labels)
 
+    positions = None
+    if position_rows is not None:
+        positions = batch.stack(position_rows, part, work)
     if position_mode == "sequence":
-        out["positions"] = emit.seq(_sequence_positions(len(records), width, fmt.work_dtype))
-    elif positions_raw is not None:
-        positions = positions_raw[:, :-1] if return_labels else positions_raw
-        out["positions"] = emit.seq(positions.astype(fmt.work_dtype, copy=False))
+        out["positions"] = emit.seq(np.tile(np.arange(width, dtype=work), (len(records), 1)))
+    elif positions is not None:
+        out["positions"] = emit.seq(positions)
 
-    if loss_mask_raw is not None and not return_labels:
-        out["loss_mask"] = emit.seq(_cast_data_field(loss_mask_raw, fmt.work_dtype))
+    if loss_rows is not None and not return_labels:
+        out["loss_mask"] = emit.seq(_cast_data_field(batch.stack(loss_rows, part), work))
     for name in extra_fields:
         if name in out:  # "positions"/"loss_mask" listed although surfaced already
             continue
-        values = batch.required_field(name)
-        if return_labels:
-            values = values[:, :-1]
-        out[name] = emit.seq(_cast_data_field(values, fmt.work_dtype))
+        values = batch.stack(batch.field_rows(name, required=True), part)
+        out[name] = emit.seq(_cast_data_field(values, work))
 
     if labels is not None and (return_num_valid_tokens or return_loss_mask):
         counted = labels != ignore_index
@@ -154,15 +153,14 @@ def batch_to_training(
             out["loss_mask"] = emit.seq(counted.astype(np.float32), dtype="float32")
 
     if return_cu_seqlens:
-        assert positions_raw is not None  # required=True above raised otherwise
-        positions = positions_raw[:, :-1] if return_labels else positions_raw
+        assert positions is not None  # required=True above raised otherwise
         cu, max_len = _cu_seqlens(positions, in_lengths, valid, flatten, batch)
         out["cu_seqlens"] = emit.fixed(cu, "int32")
         out["max_seqlen"] = max_len if flatten else emit.fixed(max_len, "int32")
 
     if return_padding_mask:
         assert padding is not None
-        pad_start = lengths - padding
+        pad_start = lengths - np.array(padding)
         out["padding_mask"] = emit.seq(np.arange(width) >= pad_start[:, None], dtype="bool")
 
     out = _rename_and_exclude(out, rename_fields, exclude_fields, allow_missing=False)
@@ -297,6 +295,22 @@ def _is_torch_dtype(value: Any) -> bool:
     return kind.__module__ == "torch" and kind.__name__ == "dtype"
 
 
+_FORMATS: dict[Any, _OutputFormat] = {}
+
+
+def _output_format(dtype: Any, device: Any, pin_memory: bool) -> _OutputFormat:
+    """The (cached, for the common no-device case) output format for ``dtype``."""
+    if device is not None or pin_memory:
+        return _OutputFormat(dtype, device=device, pin_memory=pin_memory)
+    try:
+        return _FORMATS[dtype]
+    except KeyError:
+        fmt = _FORMATS[dtype] = _OutputFormat(dtype, device=None, pin_memory=False)
+        return fmt
+    except TypeError:  # an unhashable dtype spec: no caching
+        return _OutputFormat(dtype, device=None, pin_memory=False)
+
+
 class _OutputFormat:
     """Where the arrays end up: torch tensors, numpy arrays or Python lists."""
 
@@ -377,7 +391,10 @@ class _Emitter:
     def seq(self, array: np.ndarray, dtype: str | None = None) -> Any:
         """Emit an input-aligned ``[B, S]`` field."""
         if self.flatten:
-            array = array.reshape(-1) if self.valid is None else array[self.valid]
+            if self.valid is None:
+                array = array.reshape(-1, *array.shape[2:])
+            else:
+                array = array[self.valid]
         elif self.valid is not None:  # ragged rows: only lists get here
             return [row[:n].tolist() for row, n in zip(array, self.lengths.tolist())]
         return self.fmt.convert(array, dtype)
@@ -397,6 +414,8 @@ def _preview(values: Any, limit: int = 8) -> str:
 
 
 def _as_array(value: Any) -> np.ndarray:
+    if type(value) is np.ndarray:
+        return value
     if isinstance(value, np.ndarray):
         return value
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
@@ -410,126 +429,180 @@ def _is_token_array(value: Any) -> bool:
     )
 
 
-class _Gathered:
-    """Payloads of a nonempty batch, with the token rows stacked."""
+_WHOLE = slice(None)
+_INPUT_PART = slice(None, -1)
+_LABEL_PART = slice(1, None)
 
-    def __init__(self, records: Sequence[Any], tokens_field: str, work_dtype: np.dtype) -> None:
+
+def _text_of(payload: Any) -> Any:
+    if isinstance(payload, dict):
+        text = payload.get("text")
+        return "" if text is None else text
+    return ""
+
+
+def _check_token_row(record: Any, row: np.ndarray) -> np.ndarray:
+    if row.ndim != 1:
+        raise ValueError(
+            f"record {record.meta.sample_id}: token row has shape {row.shape}; token rows "
+            "must be 1-D sequences of ids"
+        )
+    if row.size:
+        raise ValueError(
+            f"record {record.meta.sample_id}: token row holds {row.dtype} values; token ids "
+            "must be integers"
+        )
+    return row.astype(np.int64)  # an empty list arrives as float64
+
+
+class _Gathered:
+    """Payloads of a nonempty batch: validated per-record rows, stacked on demand.
+
+    Rows stay per record until :meth:`stack` builds the ``[B, S]`` array of the
+    part that is needed (whole rows, input part or label part) in one pass,
+    already in the output dtype. This is the per-record part of the work, so
+    it is written as plain, tight loops.
+    """
+
+    def __init__(self, records: Sequence[Any], tokens_field: str) -> None:
         self.records = records
-        self.payloads = [r.payload for r in records]
-        self.work_dtype = work_dtype
-        field_name = self._token_field(tokens_field)
+        self.payloads = payloads = [r.payload for r in records]
+        field_name = tokens_field
+        if tokens_field == "auto" and isinstance(payloads[0], dict):
+            field_name = _detect_token_field(payloads[0])
+        rows = self._fast_rows(field_name)
+        if rows is None:
+            rows = self._checked_token_rows(field_name)
+        self.tokens = rows
+        self.shapes = shapes = [r.shape for r in rows]
+        self.length_list = lengths = [shape[0] for shape in shapes]
+        self.lengths = np.array(lengths)
+        self.uniform = min(lengths) == max(lengths)
+
+    def _fast_rows(self, name: str) -> list[np.ndarray] | None:
+        """The common case in one sweep: dict payloads holding 1-D integer arrays."""
+        payloads = self.payloads
+        if not all(type(p) is dict for p in payloads):
+            return None
+        try:
+            rows = [p[name] for p in payloads]
+        except KeyError:
+            return None
+        for row in rows:
+            if type(row) is not np.ndarray or row.ndim != 1 or row.dtype.kind not in "iu":
+                return None
+        return rows
+
+    def _checked_token_rows(self, field_name: str) -> list[np.ndarray]:
+        """Every other case, with the checks that name the offending record."""
+        records, payloads = self.records, self.payloads
         rows = []
-        for record, payload in zip(records, self.payloads):
+        for record, payload in zip(records, payloads):
             if isinstance(payload, dict):
-                if field_name not in payload:
+                if field_name == "auto":  # the first payload was an array
+                    field_name = _detect_token_field(payload)
+                row = payload.get(field_name)
+                if row is None:
                     raise ValueError(
                         f"record {record.meta.sample_id} has no token field {field_name!r} "
                         f"(its fields: {sorted(payload)}); set tokens_field= to the field "
                         "holding the token ids"
                     )
-                row = _as_array(payload[field_name])
+            elif _is_token_array(payload):
+                row = payload
             else:
-                row = _as_array(payload)
-            if row.ndim != 1:
-                raise ValueError(
-                    f"record {record.meta.sample_id}: token row has shape {row.shape}; token "
-                    "rows must be 1-D sequences of ids"
-                )
-            if row.dtype.kind not in "iub":
-                if row.size:
-                    raise ValueError(
-                        f"record {record.meta.sample_id}: token row holds {row.dtype} values; "
-                        "token ids must be integers"
-                    )
-                row = row.astype(np.int64)
-            rows.append(row)
-        self.lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-        self.uniform = bool((self.lengths == self.lengths[0]).all())
-        self.tokens = self._stack(rows, work_dtype)
-
-    def _token_field(self, tokens_field: str) -> str | None:
-        first_dict = None
-        for record, payload in zip(self.records, self.payloads):
-            if isinstance(payload, dict):
-                if first_dict is None:
-                    first_dict = payload
-            elif not _is_token_array(payload):
                 raise TypeError(
                     f"record {record.meta.sample_id} has a payload of type "
                     f"{type(payload).__name__}; to_training needs dict payloads or 1-D arrays "
                     "of token ids (tokenize first)"
                 )
-        if tokens_field != "auto" or first_dict is None:
-            return tokens_field
-        for name in AUTO_TOKEN_FIELDS:
-            if name in first_dict:
-                return name
-        raise ValueError(
-            f"cannot detect the token field: the payload fields are {sorted(first_dict)}, "
-            f"none of {list(AUTO_TOKEN_FIELDS)}; pass tokens_field= explicitly"
-        )
+            if type(row) is not np.ndarray:
+                row = _as_array(row)
+            if row.ndim != 1 or row.dtype.kind not in "iub":
+                row = _check_token_row(record, row)
+            rows.append(row)
+        return rows
 
-    def _stack(self, rows: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    def stack(self, rows: list[np.ndarray], part: slice,
+              dtype: np.dtype | None = None) -> np.ndarray:
+        """Stack ``row[part]`` of every row; ragged rows are zero-padded on the right."""
+        parts = rows if part is _WHOLE else [row[part] for row in rows]
         if self.uniform:
-            return np.stack(rows, dtype=dtype, casting="unsafe")
-        out = np.zeros((len(rows), int(self.lengths.max())), dtype=dtype)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = row
+            # One C-level concatenate (with the dtype cast fused in) beats np.stack,
+            # whose Python-level checks cost more than the copy at these sizes.
+            shape = (len(parts), *parts[0].shape)
+            if dtype is None:
+                return np.concatenate(parts).reshape(shape)
+            return np.concatenate(parts, dtype=dtype, casting="unsafe").reshape(shape)
+        out = np.zeros((len(parts), max(len(p) for p in parts), *parts[0].shape[1:]),
+                       dtype=dtype or np.result_type(*parts))
+        for i, values in enumerate(parts):
+            out[i, : len(values)] = values
         return out
 
-    def padding_lengths(self) -> np.ndarray:
+    def shifted_tokens(self, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """Fresh ``(tokens[:, :-1], tokens[:, 1:])`` arrays for inputs and labels."""
+        if not self.uniform:
+            return (self.stack(self.tokens, _INPUT_PART, dtype),
+                    self.stack(self.tokens, _LABEL_PART, dtype))
+        # Widening once and copying twice beats two widening gathers.
+        tokens = self.stack(self.tokens, _WHOLE, dtype)
+        return tokens[:, :-1].copy(), tokens[:, 1:].copy()
+
+    def padding_lengths(self) -> list[int]:
         """Per-row trailing padding from ``meta.padding_length`` (0 when absent)."""
-        pads = np.zeros(len(self.records), dtype=np.int64)
-        for i, record in enumerate(self.records):
-            pad = record.meta.padding_length
-            if pad is None:
-                continue
-            if not 0 <= pad <= self.lengths[i]:
+        pads = []
+        for record, length in zip(self.records, self.length_list):
+            tags = record.meta.tags
+            info = tags.get(PACKING_METADATA_TAG) if tags else None
+            pad = 0 if info is None else int(info.get("padding_length") or 0)
+            if not 0 <= pad <= length:
                 raise ValueError(
                     f"record {record.meta.sample_id}: padding_length {pad} falls outside its "
-                    f"token row of length {int(self.lengths[i])}"
+                    f"token row of length {length}"
                 )
-            pads[i] = pad
+            pads.append(pad)
         return pads
 
-    def optional_field(self, name: str, *, required: bool = False) -> np.ndarray | None:
-        """Stack ``name`` if every payload has it; None if none has it."""
-        present = [isinstance(p, dict) and name in p for p in self.payloads]
-        if not any(present) and not required:
-            return None
-        if not all(present):
-            holder = self.records[present.index(False)]
-            how = "some payloads but not all" if any(present) else "no payload"
-            raise ValueError(
-                f"{name!r} is present in {how}: record {holder.meta.sample_id} lacks it"
-                + (f"; {name} matching the tokens are required in every payload"
-                   if required else "")
-            )
-        return self.required_field(name)
+    def field_rows(self, name: str, *, required: bool) -> list[np.ndarray] | None:
+        """The rows of a per-token field, checked aligned with the tokens.
 
-    def required_field(self, name: str) -> np.ndarray:
-        """Stack a per-token field that every payload must have, aligned with the tokens."""
-        rows = []
-        for i, (record, payload) in enumerate(zip(self.records, self.payloads)):
-            if not isinstance(payload, dict) or name not in payload:
+        Returns None when no payload has the field and it is not required; a
+        field present in some payloads but not all is an error.
+        """
+        if all(type(p) is dict for p in self.payloads):
+            rows = [p.get(name) for p in self.payloads]
+            if [row.shape if type(row) is np.ndarray else None for row in rows] == self.shapes:
+                return rows  # aligned arrays: nothing more to check
+        rows = [p.get(name) if isinstance(p, dict) else None for p in self.payloads]
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if missing:
+            if not required and len(missing) == len(rows):
+                return None
+            holder = self.records[missing[0]]
+            how = "every payload needs it" if required else "it is in some payloads but not all"
+            raise ValueError(
+                f"record {holder.meta.sample_id} has no field {name!r}; {how}"
+            )
+        for i, (row, tokens) in enumerate(zip(rows, self.tokens)):
+            if type(row) is not np.ndarray:
+                rows[i] = row = _as_array(row)
+            if row.shape[:1] != tokens.shape:
                 raise ValueError(
-                    f"record {record.meta.sample_id} has no field {name!r}; every payload "
-                    f"needs it (requested through extra_fields or the options)"
+                    f"record {self.records[i].meta.sample_id}: field {name!r} has shape "
+                    f"{row.shape}, misaligned with its {len(tokens)} tokens"
                 )
-            row = _as_array(payload[name])
-            if row.shape[:1] != (self.lengths[i],):
-                raise ValueError(
-                    f"record {record.meta.sample_id}: field {name!r} has shape {row.shape}, "
-                    f"misaligned with its {int(self.lengths[i])} tokens"
-                )
-            rows.append(row)
-        if self.uniform:
-            return np.stack(rows)
-        out = np.zeros((len(rows), int(self.lengths.max()), *rows[0].shape[1:]),
-                       dtype=np.result_type(*rows))
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = row
-        return out
+        return rows
+
+
+def _detect_token_field(payload: dict) -> str:
+    for name in AUTO_TOKEN_FIELDS:
+        if name in payload:
+            return name
+    raise ValueError(
+        f"cannot detect the token field: the payload fields are {sorted(payload)}, none of "
+        f"{list(AUTO_TOKEN_FIELDS)}; pass tokens_field= explicitly"
+    )
 
 
 # --------------------------------------------------------------------------- computations
@@ -543,33 +616,33 @@ def _cast_data_field(values: np.ndarray, work_dtype: np.dtype) -> np.ndarray:
 
 
 def _make_labels(
-    tokens: np.ndarray, lengths: np.ndarray, padding: np.ndarray | None,
-    loss_mask: np.ndarray | None, inputs: np.ndarray, eos_id: int | None, ignore_index: int,
+    batch: _Gathered, labels: np.ndarray, padding: list[int] | None,
+    loss_rows: list[np.ndarray] | None, inputs: np.ndarray, eos_id: int | None,
+    ignore_index: int,
 ) -> np.ndarray:
-    labels = tokens[:, 1:].copy()
-    ignored = None
-    if padding is not None and padding.any():
-        # Label j is token j+1: it is a pad when j + 1 >= L - padding.
-        first_pad_label = lengths - padding - 1
-        ignored = np.arange(labels.shape[1]) >= first_pad_label[:, None]
-    if loss_mask is not None:
-        unsupervised = loss_mask[:, 1:] == 0
-        ignored = unsupervised if ignored is None else ignored | unsupervised
-    if eos_id is not None:
-        after_eos = inputs == eos_id
-        ignored = after_eos if ignored is None else ignored | after_eos
-    if ignored is not None:
+    """Set ``ignore_index`` in ``labels`` (a fresh array, changed in place)."""
+    if labels.dtype.kind in "iu" and (
+        not -(2**31) <= ignore_index < 2**31 or labels.dtype.itemsize < 4
+    ):
         info = np.iinfo(labels.dtype)
         if not info.min <= ignore_index <= info.max:
             raise ValueError(
                 f"ignore_index {ignore_index} does not fit the label dtype {labels.dtype}"
             )
+    if padding is not None:
+        # Label j is token j + 1: the labels from L - padding - 1 on are pads.
+        for i, (pad, length) in enumerate(zip(padding, batch.length_list)):
+            if pad:
+                labels[i, max(length - pad - 1, 0):] = ignore_index
+    ignored = None
+    if loss_rows is not None:
+        ignored = batch.stack(loss_rows, _LABEL_PART) == 0
+    if eos_id is not None:
+        after_eos = inputs == eos_id
+        ignored = after_eos if ignored is None else ignored | after_eos
+    if ignored is not None:
         np.putmask(labels, ignored, ignore_index)
     return labels
-
-
-def _sequence_positions(rows: int, width: int, dtype: np.dtype) -> np.ndarray:
-    return np.tile(np.arange(width, dtype=dtype), (rows, 1))
 
 
 def _cu_seqlens(
@@ -578,14 +651,17 @@ def _cu_seqlens(
 ) -> tuple[np.ndarray, Any]:
     """Segment boundaries from the zeros of input-aligned positions.
 
-    Row-wise: ``[B, K]`` with each row's starts then its end, padded with the
-    row's length. Flattened: the starts of all rows shifted by the row offsets,
-    then the total length.
+    Every nonempty row starts a segment, so the starts of all rows laid end to
+    end, followed by the total length, are the flattened boundaries, and
+    their differences are the segment lengths. Row-wise output regroups the
+    starts per row, ends each row with its length and pads with it.
     """
-    rows = positions.shape[0]
-    nonempty = lengths > 0
-    if positions.shape[1]:
-        bad = nonempty & (positions[:, 0] != 0)
+    rows, width = positions.shape
+    starts = positions == 0
+    if valid is not None:
+        starts &= valid
+    if width and not starts[:, 0].all():
+        bad = (lengths > 0) & ~starts[:, 0]
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(
@@ -593,24 +669,27 @@ def _cu_seqlens(
                 f"positions starting at {int(positions[i, 0])}, not 0; every nonempty row "
                 "must start a segment"
             )
-    total = int(lengths.sum())
-    if (total if flatten else int(lengths.max(initial=0))) > _INT32_MAX:
+    length_list = lengths.tolist()
+    total = sum(length_list)
+    if (total if flatten else max(length_list)) > _INT32_MAX:
         raise ValueError(f"cu_seqlens cannot be represented as int32 (length {total})")
-    starts = positions == 0
-    if valid is not None:
-        starts &= valid
-    row_idx, col_idx = np.nonzero(starts)
+    flat = np.flatnonzero(starts)  # much faster than a 2-D nonzero
+    row_idx, col_idx = np.divmod(flat, max(width, 1))
+    bounds = np.empty(len(flat) + 1, dtype=np.int32)
+    # Uniform rows are already laid end to end in the flat index.
+    bounds[:-1] = flat if valid is None else col_idx + (np.cumsum(lengths) - lengths)[row_idx]
+    bounds[-1] = total
+    seg_lengths = bounds[1:] - bounds[:-1]
     if flatten:
-        offsets = np.cumsum(lengths) - lengths
-        cu = np.empty(len(col_idx) + 1, dtype=np.int32)
-        cu[:-1] = col_idx + offsets[row_idx]
-        cu[-1] = total
-        max_len = int(np.diff(cu).max(initial=0))
-        return cu, max_len
+        return bounds, int(seg_lengths.max(initial=0))
     counts = np.bincount(row_idx, minlength=rows)
-    width = int(counts.max(initial=0)) + 1
-    cu = np.repeat(lengths.astype(np.int32)[:, None], width, axis=1)
-    first = np.cumsum(counts) - counts
-    cu[row_idx, np.arange(len(row_idx)) - first[row_idx]] = col_idx
-    max_len = np.diff(cu, axis=1).max(axis=1, initial=0).astype(np.int32)
+    cu = np.empty((rows, int(counts.max(initial=0)) + 1), dtype=np.int32)
+    cu[:] = lengths[:, None]
+    first = counts.cumsum()
+    first -= counts
+    cu[row_idx, np.arange(len(flat)) - first[row_idx]] = col_idx
+    max_len = np.zeros(rows, dtype=np.int32)
+    if len(flat):
+        has = counts > 0
+        max_len[has] = np.maximum.reduceat(seg_lengths, first[has])
     return cu, max_len

@@ -29,7 +29,7 @@ as they are and must not be mutated afterwards.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ class ContributorRef:
     is_last_child: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class SampleMeta:
     """Lightweight metadata that uniquely identifies a sample in a shard.
 
@@ -205,6 +205,29 @@ class SampleMeta:
     component_token_counts: dict[int, int] | None = None
     lineage: tuple[int, ...] = field(default_factory=tuple)
     tags: dict[str, Any] = field(default_factory=dict)
+
+    # A meta is built for every sample, so __init__ is written by hand: it sets
+    # the slots through their descriptors, about twice as fast as the
+    # generated frozen __init__ (which goes through object.__setattr__).
+    def __init__(
+        self,
+        sample_id: tuple[int, int, int],
+        lane_id: int,
+        chunk_id: int,
+        chunk_offset: int = 0,
+        component_sample_counts: dict[int, int] | None = None,
+        component_token_counts: dict[int, int] | None = None,
+        lineage: tuple[int, ...] = (),
+        tags: dict[str, Any] | None = None,
+    ) -> None:
+        _META_SET_SAMPLE_ID(self, sample_id)
+        _META_SET_LANE_ID(self, lane_id)
+        _META_SET_CHUNK_ID(self, chunk_id)
+        _META_SET_CHUNK_OFFSET(self, chunk_offset)
+        _META_SET_COUNTS(self, {} if component_sample_counts is None else component_sample_counts)
+        _META_SET_TOKEN_COUNTS(self, component_token_counts)
+        _META_SET_LINEAGE(self, lineage)
+        _META_SET_TAGS(self, {} if tags is None else tags)
 
     def __hash__(self) -> int:
         return hash((self.sample_id, self.lane_id, self.chunk_id, self.chunk_offset,
@@ -303,11 +326,17 @@ class SampleMeta:
         return self._replace(tags=tags)
 
 
+(
+    _META_SET_SAMPLE_ID, _META_SET_LANE_ID, _META_SET_CHUNK_ID, _META_SET_CHUNK_OFFSET,
+    _META_SET_COUNTS, _META_SET_TOKEN_COUNTS, _META_SET_LINEAGE, _META_SET_TAGS,
+) = (SampleMeta.__dict__[f.name].__set__ for f in fields(SampleMeta))
+
+
 def payloads_equal(a: Any, b: Any) -> bool:
     """Deep equality of two payloads, treating arrays and tensors by value.
 
-    Arrays compare equal when their dtype kind, shape and values agree, so an
-    int32 array equals the same ids held as an int32 array built elsewhere.
+    Arrays (numpy arrays, torch tensors) compare equal when their dtype, shape
+    and values agree; an array never equals a list.
     """
     if a is b:
         return True
@@ -340,7 +369,7 @@ def _as_numpy(value: Any) -> Any:
     return np.asarray(value)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, init=False)
 class SampleRecord:
     """Sample payload bundled with its metadata for transport through stages.
 
@@ -351,6 +380,10 @@ class SampleRecord:
     meta: SampleMeta
     payload: Any
 
+    def __init__(self, meta: SampleMeta, payload: Any) -> None:
+        _RECORD_SET_META(self, meta)
+        _RECORD_SET_PAYLOAD(self, payload)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SampleRecord):
             return NotImplemented
@@ -358,6 +391,10 @@ class SampleRecord:
 
     def __hash__(self) -> int:
         return hash(self.meta)
+
+
+_RECORD_SET_META = SampleRecord.__dict__["meta"].__set__
+_RECORD_SET_PAYLOAD = SampleRecord.__dict__["payload"].__set__
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -1,0 +1,285 @@
+"""Every documented error and warning of ``SampleBatch.to_training``.
+
+Each test checks the exception type and that the message names the offending
+field or value.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from zephon_torch.types import PACKING_METADATA_TAG, SampleBatch, SampleMeta, SampleRecord
+
+
+def rec(i: int, payload: Any, padding: int | None = None) -> SampleRecord:
+    tags = {} if padding is None else {PACKING_METADATA_TAG: {"padding_length": padding}}
+    meta = SampleMeta(sample_id=(0, 0, i), lane_id=0, chunk_id=0, chunk_offset=i, tags=tags)
+    return SampleRecord(meta, payload)
+
+
+def batch(*payloads: Any, paddings: list[int | None] | None = None) -> SampleBatch:
+    paddings = [None] * len(payloads) if paddings is None else paddings
+    return SampleBatch([rec(i, p, q) for i, (p, q) in enumerate(zip(payloads, paddings))])
+
+
+def arr(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
+
+
+def simple() -> SampleBatch:
+    return batch({"input_ids": arr(1, 2, 3, 4)}, {"input_ids": arr(5, 6, 7, 8)})
+
+
+def positioned(*positions: np.ndarray | None) -> SampleBatch:
+    payloads = []
+    for i, pos in enumerate(positions):
+        payload: dict[str, Any] = {"input_ids": np.arange(10 * i, 10 * i + 4, dtype=np.int32)}
+        if pos is not None:
+            payload["positions"] = pos
+        payloads.append(payload)
+    return batch(*payloads)
+
+
+# --------------------------------------------------------------------------- TypeError
+
+
+@pytest.mark.parametrize(
+    ("payload", "type_name"),
+    [(3.5, "float"), ("some text", "str"), (None, "None"), ({1, 2}, "set")],
+)
+def test_payload_neither_dict_nor_array(payload, type_name):
+    b = SampleBatch([rec(0, {"input_ids": arr(1, 2)}), rec(1, payload)])
+    with pytest.raises(TypeError, match=rf"(?i)payload|{type_name}"):
+        b.to_training()
+
+
+def test_exclude_fields_as_string():
+    with pytest.raises(TypeError, match="exclude_fields"):
+        simple().to_training(exclude_fields="ids")
+
+
+# --------------------------------------------------------------------------- tokens_field
+
+
+def test_tokens_field_not_detectable():
+    b = batch({"foo": arr(1, 2, 3)}, {"foo": arr(4, 5, 6)})
+    with pytest.raises(ValueError, match=r"tokens_field|input_ids"):
+        b.to_training()
+
+
+def test_tokens_field_explicit_missing():
+    with pytest.raises(ValueError, match="my_tokens"):
+        simple().to_training(tokens_field="my_tokens")
+
+
+# --------------------------------------------------------------------------- loss_mask
+
+
+@pytest.mark.parametrize("return_labels", [True, False])
+def test_loss_mask_in_only_some_payloads(return_labels):
+    b = batch({"input_ids": arr(1, 2, 3), "loss_mask": arr(1, 1, 0)},
+              {"input_ids": arr(4, 5, 6)})
+    with pytest.raises(ValueError, match="loss_mask"):
+        b.to_training(return_labels=return_labels)
+
+
+@pytest.mark.parametrize("return_labels", [True, False])
+@pytest.mark.parametrize("mask", [(1, 1), (1, 1, 1, 1)], ids=["short", "long"])
+def test_loss_mask_misaligned_with_tokens(return_labels, mask):
+    b = batch({"input_ids": arr(1, 2, 3), "loss_mask": arr(*mask)},
+              {"input_ids": arr(4, 5, 6), "loss_mask": arr(*mask)})
+    with pytest.raises(ValueError, match="loss_mask"):
+        b.to_training(return_labels=return_labels, dtype=None)
+
+
+def test_loss_mask_in_extra_fields_with_labels():
+    b = batch({"input_ids": arr(1, 2, 3), "loss_mask": arr(1, 1, 0)})
+    with pytest.raises(ValueError, match="loss_mask"):
+        b.to_training(return_labels=True, extra_fields=["loss_mask"])
+
+
+# --------------------------------------------------------------------------- rename / extras
+
+
+def test_rename_missing_source_in_nonempty_batch():
+    with pytest.raises(ValueError, match="labels"):
+        simple().to_training(rename_fields={"labels": "target"})
+
+
+def test_rename_collision_with_existing_output():
+    with pytest.raises(ValueError, match="labels"):
+        simple().to_training(return_labels=True, rename_fields={"input_ids": "labels"})
+
+
+def test_rename_collision_between_targets():
+    with pytest.raises(ValueError, match="tgt"):
+        simple().to_training(return_labels=True,
+                             rename_fields={"input_ids": "tgt", "labels": "tgt"})
+
+
+def test_num_valid_tokens_without_labels():
+    with pytest.raises(ValueError, match=r"num_valid_tokens"):
+        simple().to_training(return_num_valid_tokens=True)
+
+
+def test_loss_mask_without_labels():
+    with pytest.raises(ValueError, match=r"loss_mask"):
+        simple().to_training(return_loss_mask=True)
+
+
+@pytest.mark.parametrize("field", ["labels", "input_ids", "ids"])
+def test_extra_field_overwriting_generated_output(field):
+    b = batch({"input_ids": arr(1, 2, 3), "labels": arr(7, 7, 7), "ids": arr(8, 8, 8)})
+    with pytest.raises(ValueError, match=field):
+        b.to_training(return_labels=True, extra_fields=[field])
+
+
+# --------------------------------------------------------------------------- padding mask
+
+
+@pytest.mark.parametrize("padding", [-1, 5, 100])
+@pytest.mark.parametrize("return_labels", [True, False])
+def test_padding_length_outside_row(padding, return_labels):
+    b = batch({"input_ids": arr(1, 2, 3, 4)}, {"input_ids": arr(5, 6, 7, 8)},
+              paddings=[0, padding])
+    with pytest.raises(ValueError, match=r"padding"):
+        b.to_training(return_padding_mask=True, return_labels=return_labels)
+
+
+def test_padding_mask_requires_2d_tokens_for_tensor_output():
+    tokens = np.arange(8, dtype=np.int32).reshape(4, 2)  # per-token vectors: [B, S, 2]
+    b = batch({"input_ids": tokens}, {"input_ids": tokens + 10})
+    with pytest.raises(ValueError, match=r"(?i)padding|2-?D|1-?D|dim|shape"):
+        b.to_training(return_padding_mask=True)
+
+
+# --------------------------------------------------------------------------- cu_seqlens
+
+
+@pytest.mark.parametrize("return_labels", [True, False])
+def test_cu_seqlens_positions_missing_everywhere(return_labels):
+    with pytest.raises(ValueError, match="positions"):
+        simple().to_training(return_cu_seqlens=True, return_labels=return_labels)
+
+
+def test_cu_seqlens_positions_missing_in_one_payload():
+    b = positioned(arr(0, 1, 2, 3), None)
+    with pytest.raises(ValueError, match="positions"):
+        b.to_training(return_cu_seqlens=True)
+
+
+def test_cu_seqlens_positions_still_required_in_sequence_mode():
+    with pytest.raises(ValueError, match="positions"):
+        simple().to_training(return_cu_seqlens=True, position_mode="sequence")
+
+
+@pytest.mark.parametrize("bad", [arr(0, 1, 2), arr(0, 1, 2, 3, 4)], ids=["short", "long"])
+def test_cu_seqlens_positions_misaligned(bad):
+    b = positioned(arr(0, 1, 2, 3), bad)
+    with pytest.raises(ValueError, match="positions"):
+        b.to_training(return_cu_seqlens=True, dtype=None)
+
+
+@pytest.mark.parametrize("return_labels", [True, False])
+@pytest.mark.parametrize("flatten", [True, False])
+def test_cu_seqlens_positions_not_starting_at_zero(return_labels, flatten):
+    b = positioned(arr(0, 1, 2, 3), arr(1, 2, 0, 1))
+    with pytest.raises(ValueError, match="positions"):
+        b.to_training(return_cu_seqlens=True, return_labels=return_labels, flatten=flatten)
+
+
+# --------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("mode", ["bogus", "continuous", ""])
+def test_unknown_position_mode(mode):
+    with pytest.raises(ValueError, match=rf"position_mode|'{mode}'"):
+        simple().to_training(position_mode=mode)
+
+
+@pytest.mark.parametrize("eos", [-1, 2.5, "2"])
+@pytest.mark.parametrize("eos_mask_loss", [True, False])
+def test_eos_token_id_not_a_nonnegative_integer(eos, eos_mask_loss):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with pytest.raises(ValueError, match="eos_token_id"):
+            simple().to_training(return_labels=True, eos_mask_loss=eos_mask_loss,
+                                 eos_token_id=eos)
+
+
+def test_eos_mask_loss_without_labels():
+    with pytest.raises(ValueError, match=r"eos_mask_loss|return_labels"):
+        simple().to_training(eos_mask_loss=True, eos_token_id=2)
+
+
+def test_eos_mask_loss_without_eos_token_id():
+    with pytest.raises(ValueError, match="eos_token_id"):
+        simple().to_training(return_labels=True, eos_mask_loss=True)
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+@pytest.mark.parametrize("return_labels", [True, False])
+def test_eos_token_id_without_masking_warns(return_labels):
+    with pytest.warns(UserWarning, match="eos_token_id"):
+        out = simple().to_training(return_labels=return_labels, eos_token_id=2)
+    # Supplying the id alone does not enable masking.
+    assert out["input_ids"].tolist() == (
+        [[1, 2, 3], [5, 6, 7]] if return_labels else [[1, 2, 3, 4], [5, 6, 7, 8]]
+    )
+    if return_labels:
+        assert out["labels"].tolist() == [[2, 3, 4], [6, 7, 8]]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"return_labels": True},
+        {"return_labels": True, "eos_mask_loss": True, "eos_token_id": 2},
+        {"return_labels": True, "eos_mask_loss": True, "eos_token_id": 0},
+    ],
+)
+def test_no_warning_otherwise(kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = simple().to_training(**kwargs)
+    assert isinstance(out["input_ids"], torch.Tensor)
+    if kwargs.get("eos_mask_loss"):
+        eos = kwargs["eos_token_id"]
+        expected = [[2, 3, 4], [6, 7, 8]] if eos == 0 else [[2, -100, 4], [6, 7, 8]]
+        assert out["labels"].tolist() == expected
+
+
+# --------------------------------------------------------------------------- empty batches
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"exclude_fields": "ids"}, TypeError, "exclude_fields"),
+        ({"return_num_valid_tokens": True}, ValueError, "num_valid_tokens"),
+        ({"return_loss_mask": True}, ValueError, "loss_mask"),
+        ({"position_mode": "bogus"}, ValueError, "position_mode|bogus"),
+        ({"return_labels": True, "eos_mask_loss": True}, ValueError, "eos_token_id"),
+        ({"eos_mask_loss": True, "eos_token_id": 2}, ValueError, "eos_mask_loss|return_labels"),
+        ({"return_labels": True, "eos_token_id": -3, "eos_mask_loss": True}, ValueError,
+         "eos_token_id"),
+        ({"rename_fields": {"ids": "texts"}}, ValueError, "texts"),
+    ],
+)
+def test_option_errors_also_for_empty_batches(kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        SampleBatch([]).to_training(**kwargs)
+
+
+def test_eos_token_id_warns_for_empty_batches():
+    with pytest.warns(UserWarning, match="eos_token_id"):
+        out = SampleBatch([]).to_training(eos_token_id=2)
+    assert out == {"ids": [], "texts": []}

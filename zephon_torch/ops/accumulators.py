@@ -1,0 +1,235 @@
+"""Accumulators: the single-threaded, stream-ordered half of an operator.
+
+An accumulator receives a stage's input in stream order (never from two
+threads at once), buffers it, and returns the micro-batches that are ready
+for ``process_many``. Every piece of state that spans calls lives here, keyed
+by lane, so that a flush sentinel of one lane resets that lane alone.
+
+Example, ``CountingAccumulator(3)`` fed elements of lanes 0 and 1::
+
+    push_many([a0, b1, c0])   -> []             (lane 0 holds a0 c0, lane 1 b1)
+    push_many([d0, e1])       -> [[a0, c0, d0]]  (lane 0 reached 3)
+    flush(reset=True, lane_id=1) -> [[b1, e1]]   (lane 1 only; lane 0 untouched)
+    flush()                   -> []             (end of stream: nothing left)
+
+Determinism: with ``max_latency_ms=None`` (what every built-in operator uses
+when ``deterministic=True``) boundaries depend only on counts, never on time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from zephon_torch.types import SampleBatch, SampleRecord
+
+__all__ = [
+    "Accumulator",
+    "BatchingAccumulator",
+    "CountingAccumulator",
+    "PassthroughAccumulator",
+    "lane_of",
+]
+
+
+def lane_of(elem: SampleRecord | SampleBatch) -> int:
+    """The lane of a record, or of a (single-lane) batch."""
+    if type(elem) is SampleRecord:
+        return elem.meta.lane_id
+    if isinstance(elem, SampleBatch):
+        return elem.lane_ids[0] if elem.lane_ids else -1
+    return elem.meta.lane_id
+
+
+class Accumulator:
+    """Base class: decides micro-batch boundaries and holds cross-call state.
+
+    Attributes:
+        reads_payload: False (the default) declares that ``push_many`` looks
+            only at metadata, so the process runner may leave payloads as
+            unresolved shared-memory handles. Set it to True when
+            ``push_many`` inspects payloads.
+    """
+
+    reads_payload: bool = False
+
+    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
+        """Consume elements in stream order; return the micro-batches now ready."""
+        raise NotImplementedError
+
+    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
+        """Emit what is buffered.
+
+        ``flush()`` at end of stream emits every lane's remainder.
+        ``flush(reset=True, lane_id=l)`` at a flush sentinel emits lane ``l``'s
+        remainder and leaves that lane exactly as a fresh accumulator would
+        be, every other lane untouched.
+        """
+        raise NotImplementedError
+
+    def has_pending_data(self, lane_id: int | None = None) -> bool:
+        """Whether a flush (of ``lane_id``, or of any lane) would emit anything."""
+        raise NotImplementedError
+
+    def try_epoch_reset(self, boundary_chunk_id: int, lane_id: int) -> bool:
+        """Whether a stalled sentinel at ``boundary_chunk_id`` may now be released.
+
+        True means this lane's future output equals that of a fresh
+        accumulator fed only what it still buffers. The default is the
+        conservative answer: only when nothing is pending.
+        """
+        return not self.has_pending_data(lane_id)
+
+    def poll(self) -> list[list[Any]]:
+        """Micro-batches due by time alone (latency bounds); none by default."""
+        return []
+
+    def take_dropped(self) -> list[Any]:
+        """Elements discarded since the last call (e.g. a ``drop_last`` remainder).
+
+        The runner turns them into tombstones so that no sample is lost
+        silently.
+        """
+        return []
+
+
+class PassthroughAccumulator(Accumulator):
+    """Emits whatever arrives, at once, as one micro-batch; holds nothing."""
+
+    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
+        return [list(elems)] if elems else []
+
+    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
+        return []
+
+    def has_pending_data(self, lane_id: int | None = None) -> bool:
+        return False
+
+
+class CountingAccumulator(Accumulator):
+    """Buffers per lane and emits a lane's micro-batch when it holds ``max_batch``.
+
+    Args:
+        max_batch: Elements per micro-batch (positive).
+        max_latency_ms: If set, :meth:`poll` also emits a partial micro-batch
+            whose oldest element has waited this long. Time-dependent, so
+            operators pass ``None`` when ``deterministic=True``.
+        drop_last: At end of stream, discard partial micro-batches instead of
+            emitting them (they are reported by :meth:`take_dropped`).
+    """
+
+    def __init__(self, max_batch: int, *, max_latency_ms: float | None = None,
+                 drop_last: bool = False) -> None:
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if max_latency_ms is not None and max_latency_ms < 0:
+            raise ValueError(f"max_latency_ms must be >= 0 or None, got {max_latency_ms!r}")
+        self.max_batch = max_batch
+        self.max_latency_ms = max_latency_ms
+        self.drop_last = drop_last
+        self._buffers: dict[int, list[Any]] = {}
+        self._since: dict[int, float] = {}
+        self._dropped: list[Any] = []
+
+    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
+        if not elems:
+            return []
+        if self.max_latency_ms is None:
+            lane = lane_of(elems[0])
+            if all(e.meta.lane_id == lane for e in elems) if type(elems[0]) is SampleRecord \
+                    else all(lane_of(e) == lane for e in elems):
+                return self._push_lane(lane, elems)
+        ready: list[list[Any]] = []
+        buffers = self._buffers
+        size = self.max_batch
+        timed = self.max_latency_ms is not None
+        for elem in elems:
+            lane = elem.meta.lane_id if type(elem) is SampleRecord else lane_of(elem)
+            buf = buffers.get(lane)
+            if buf is None:
+                buf = buffers[lane] = []
+            if timed and not buf:
+                self._since[lane] = time.monotonic()
+            buf.append(elem)
+            if len(buf) >= size:
+                ready.append(buf)
+                buffers[lane] = []
+        return ready
+
+    def _push_lane(self, lane: int, elems: Sequence[Any]) -> list[list[Any]]:
+        """All elements of one lane (the common case): slice instead of appending."""
+        buf = self._buffers.get(lane)
+        if buf:
+            buf.extend(elems)
+        else:
+            buf = list(elems)
+        size = self.max_batch
+        if len(buf) < size:
+            self._buffers[lane] = buf
+            return []
+        cut = len(buf) - len(buf) % size
+        ready = [buf[i:i + size] for i in range(0, cut, size)]
+        self._buffers[lane] = buf[cut:]
+        return ready
+
+    def poll(self) -> list[list[Any]]:
+        if self.max_latency_ms is None:
+            return []
+        now = time.monotonic()
+        limit = self.max_latency_ms / 1000.0
+        ready = []
+        for lane, buf in self._buffers.items():
+            if buf and now - self._since.get(lane, now) >= limit:
+                ready.append(buf)
+                self._buffers[lane] = []
+        return ready
+
+    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
+        lanes = sorted(self._buffers) if lane_id is None else [lane_id]
+        out = []
+        for lane in lanes:
+            buf = self._buffers.pop(lane, None)
+            self._since.pop(lane, None)
+            if not buf:
+                continue
+            if self.drop_last and lane_id is None:
+                self._dropped.extend(buf)
+            else:
+                out.append(buf)
+        return out
+
+    def has_pending_data(self, lane_id: int | None = None) -> bool:
+        if lane_id is None:
+            return any(self._buffers.values())
+        return bool(self._buffers.get(lane_id))
+
+    def take_dropped(self) -> list[Any]:
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+
+class BatchingAccumulator(CountingAccumulator):
+    """The accumulator behind ``batch()``: counting, plus a chunk-aware epoch reset.
+
+    With ``drop_last=True`` a flush sentinel cannot emit a partial batch, so
+    the runner stalls it; :meth:`try_epoch_reset` releases it as soon as no
+    record from before the boundary remains in the lane's buffer (the buffer
+    then holds only records of the new epoch, which is what a fresh
+    accumulator fed those records would hold).
+    """
+
+    def __init__(self, batch_size: int, *, drop_last: bool = True) -> None:
+        super().__init__(batch_size, drop_last=drop_last)
+
+    def try_epoch_reset(self, boundary_chunk_id: int, lane_id: int) -> bool:
+        buf = self._buffers.get(lane_id)
+        if not buf:
+            return True
+        return all(_chunk_of(elem) >= boundary_chunk_id for elem in buf)
+
+
+def _chunk_of(elem: Any) -> int:
+    if isinstance(elem, SampleBatch):
+        return min(elem.chunk_ids) if elem.chunk_ids else 0
+    return elem.meta.chunk_id

@@ -1,0 +1,200 @@
+"""The operator contract.
+
+An operator is one transformation of the stream (fetch, tokenize, pack,
+shuffle, batch ...). It splits its work in two:
+
+* its **accumulator** (``accumulator(deterministic=..., ctx=...)``) sees the
+  stage's input one element after another, in stream order, on a single
+  thread, decides where micro-batches begin and end, and holds every piece of
+  state that spans calls (packing bins, shuffle buffers, partial batches);
+* ``process_many(elems)`` turns one micro-batch into its outputs and is
+  *stateless*: it may run on any worker, in any order, any number of times,
+  and the runner's reorder buffer puts the results back in micro-batch order.
+
+That split is what makes the runner, the worker count and the micro-batch
+sizes pure performance knobs::
+
+    upstream ──► accumulator ──► [mb0] [mb1] [mb2] ──► workers ──► reorder ──► downstream
+                 (one thread,         (process_many,      (sequence
+                  stream order)        any order)          numbers)
+
+A user operator subclasses :class:`Operator` and is added with
+``Pipeline.apply(op)``. The minimum is ``process_many``; the default
+accumulator groups elements into micro-batches of ``microbatch_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from zephon_torch.types import SampleBatch, SampleRecord
+
+if TYPE_CHECKING:
+    from zephon_torch.ops.accumulators import Accumulator
+
+__all__ = [
+    "TOMBSTONE_REASON_TAG",
+    "Element",
+    "OpContext",
+    "OpTraits",
+    "Operator",
+    "check_elements",
+    "tombstone",
+]
+
+#: What flows between stages: a record, or a batch of records after ``batch()``.
+Element = SampleRecord | SampleBatch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpTraits:
+    """Static facts about an operator that the planner and runner rely on.
+
+    Attributes:
+        preserves_cursor_order: Outputs leave in the cursor order of their
+            inputs (children right after their parent's position). Plans
+            with an operator that does not (packing, shuffle, mixture) use
+            flush sentinels to bound replay.
+        accepts_pointers: The operator reads pointer records (only ``fetch``).
+        produces_batches: Outputs are :class:`SampleBatch` (only ``batch``).
+        fan_out: One input may give several outputs (children with lineage).
+        inline: ``process_many`` is trivial glue (wrapping records into a
+            batch, a passthrough): run it on the driver thread instead of
+            shipping the micro-batch to a worker.
+    """
+
+    preserves_cursor_order: bool = True
+    accepts_pointers: bool = False
+    produces_batches: bool = False
+    fan_out: bool = False
+    inline: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpContext:
+    """What ``setup`` and ``accumulator`` receive: layout, seed and plan facts.
+
+    Attributes:
+        num_lanes: Lanes of the whole job (fixed for the life of a run).
+        lanes: The lanes this iterator owns, ascending.
+        rank: This consumer's rank.
+        world_size: Number of ranks.
+        seed: The pipeline's seed.
+        stage_index: Position of the stage in the compiled plan.
+        stage_name: The stage's name (``"tokenize"``, ``"map_transform_2"``).
+        microbatch_size: The micro-batch size chosen for this stage (the
+            operator's default unless overridden with ``microbatch_sizes``).
+        component_weights: Target share of each mixture component, from the
+            sources (``None`` for a single dataset).
+        plan: Free-form plan metadata (for example ``"has_tokens"``).
+    """
+
+    num_lanes: int = 1
+    lanes: tuple[int, ...] = (0,)
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    stage_index: int = 0
+    stage_name: str = ""
+    microbatch_size: int | None = None
+    component_weights: Mapping[int, float] | None = None
+    plan: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Operator:
+    """Base class of every operator.
+
+    Subclasses override :meth:`process_many` (stateless work on one
+    micro-batch) and, when they keep cross-element state, :meth:`accumulator`.
+    ``name`` is the stage name stem; ``default_microbatch_size`` is used when
+    the plan does not override it.
+    """
+
+    name: ClassVar[str] = "apply"
+    default_microbatch_size: ClassVar[int] = 64
+
+    def setup(self, ctx: OpContext) -> None:
+        """Run once per process before any data arrives (load models, open files)."""
+
+    def accumulator(self, *, deterministic: bool, ctx: OpContext) -> Accumulator:
+        """Return a fresh accumulator that cuts the input into micro-batches.
+
+        The default groups each lane's elements into micro-batches of
+        ``ctx.microbatch_size`` (or ``default_microbatch_size``).
+        """
+        from zephon_torch.ops.accumulators import CountingAccumulator
+
+        return CountingAccumulator(ctx.microbatch_size or self.default_microbatch_size)
+
+    def process_many(self, elems: Sequence[Element]) -> list[Element]:
+        """Transform one micro-batch; must not depend on any earlier call."""
+        return list(elems)
+
+    def process_one(self, elem: Element) -> list[Element]:
+        """Transform a single element (by default ``process_many([elem])``)."""
+        return self.process_many([elem])
+
+    def traits(self) -> OpTraits:
+        """Return the operator's :class:`OpTraits`."""
+        return OpTraits()
+
+    def config(self) -> dict[str, Any]:
+        """JSON-able parameters that define the output, for the checkpoint fingerprint.
+
+        The default describes the operator by its class; subclasses add their
+        parameters. Performance knobs (worker counts, micro-batch sizes) must
+        not appear here.
+        """
+        kind = type(self)
+        return {"op": f"{kind.__module__}.{kind.__qualname__}"}
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "op")
+        return f"{type(self).__name__}({params})"
+
+
+def check_elements(result: Any, stage: str) -> list[Element]:
+    """Validate what ``process_many`` returned: a list of records or batches.
+
+    Raises:
+        TypeError: ``"Unsupported element type: ..."`` for anything else.
+    """
+    if not isinstance(result, list):
+        if isinstance(result, (tuple, SampleBatch)) or result is None:
+            raise TypeError(
+                f"Unsupported element type: stage {stage!r} process_many returned "
+                f"{type(result).__name__}; it must return a list of SampleRecord or "
+                "SampleBatch elements"
+            )
+        result = list(result)
+    for elem in result:
+        kind = type(elem)
+        if kind is not SampleRecord and kind is not SampleBatch and not isinstance(
+            elem, (SampleRecord, SampleBatch)
+        ):
+            raise TypeError(
+                f"Unsupported element type: {kind.__name__} from stage {stage!r}; "
+                "process_many must return SampleRecord or SampleBatch elements (rebuild the "
+                "payload and keep the meta: SampleRecord(elem.meta, new_payload))"
+            )
+    return result
+
+
+#: Tag holding why a record was tombstoned (``"filter"``, ``"empty"``, ...).
+TOMBSTONE_REASON_TAG = "_tombstone_reason"
+
+
+def tombstone(record: SampleRecord, reason: str) -> SampleRecord:
+    """Turn a dropped record into a tombstone that still closes its base offsets.
+
+    The tombstone keeps the record's meta (its cursor and contributors), so
+    progress accounting closes exactly what the record would have closed; it
+    carries no payload and the ``reason`` under :data:`TOMBSTONE_REASON_TAG`.
+    """
+    meta = record.meta
+    tags = dict(meta.tags)
+    tags["_tombstone"] = True
+    tags[TOMBSTONE_REASON_TAG] = reason
+    return SampleRecord(meta._replace(tags=tags), None)

@@ -1,0 +1,33 @@
+"""Sources: datasets (mixture components), shards, and the work schedule.
+
+``zt.sources.items/jsonl/parquet/text_files`` build dataset objects for
+``Pipeline.from_sources``; each carries its ``component_id``.
+"""
+
+from zephon_torch.sources.base import POINTER, Dataset, Pointer, Shard, is_pointer
+from zephon_torch.sources.datasets import (
+    ItemsDataset,
+    JsonlDataset,
+    ParquetDataset,
+    TextFilesDataset,
+    items,
+    jsonl,
+    parquet,
+    text_files,
+)
+
+__all__ = [
+    "POINTER",
+    "Dataset",
+    "ItemsDataset",
+    "JsonlDataset",
+    "ParquetDataset",
+    "Pointer",
+    "Shard",
+    "TextFilesDataset",
+    "is_pointer",
+    "items",
+    "jsonl",
+    "parquet",
+    "text_files",
+]

@@ -1,0 +1,726 @@
+"""The built-in datasets: in-memory items, JSONL, Parquet and text files.
+
+Each class turns the user's paths into shards (one per file, sorted by path
+so shard ids are stable) and answers two questions for the engine: how many
+samples each shard holds, and what the raw bytes (or dict) of some samples
+are. Nothing here decodes JSON or builds records; ``fetch`` and
+``decode_text`` (``zephon_torch/ops/io.py``) do that on the workers.
+
+How each format counts and reads without holding a file in memory:
+
+========================  ==========  ==========================================
+format                    access      count / read
+========================  ==========  ==========================================
+in-memory items           inline      ``len(items)`` / the payload objects
+``.jsonl``                pointer     line index, cached on disk / range reads
+``.jsonl.gz``/``.zst``    stream      one streaming pass, cached / ``stream()``
+``.parquet``              pointer     file metadata / the needed row groups
+text files                pointer     1 per file / the whole file
+========================  ==========  ==========================================
+
+For example, ``jsonl("data/*.jsonl")`` over ``data/a.jsonl`` (3 lines, the
+second blank) and ``data/b.jsonl`` (2 lines) has shards ``0: a.jsonl, 2
+samples`` and ``1: b.jsonl, 2 samples``; sample ``(d, 0, 1)`` is the third line
+of ``a.jsonl``, and ``locate(0, 1)`` says ``"data/a.jsonl line 3"``.
+
+Datasets are pickled into worker processes. Open files and decoded row
+groups live in per-process caches that pickle empty (see
+:class:`~zephon_torch.sources.readers.HandlePool` and
+:class:`~zephon_torch.sources.readers.LRUCache`); line indexes that are on
+disk are memory-mapped again where they are needed.
+
+Fingerprints (:meth:`Dataset.describe`) hold shard names relative to the
+files' common folder (just the base names when the files share a folder),
+never absolute paths, so a job can move to another cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from zephon_torch.sources.base import Dataset, Shard
+from zephon_torch.sources.index_cache import (
+    default_cache_dir,
+    index_key,
+    load_index,
+    save_index,
+)
+from zephon_torch.sources.readers import (
+    FileStat,
+    HandlePool,
+    LineScanner,
+    LRUCache,
+    RandomAccessFile,
+    TruncatedStreamError,
+    expand_paths,
+    is_url,
+    iter_decompressed,
+    iter_lines,
+    open_binary,
+    read_lines_at,
+    stat_file,
+)
+
+__all__ = [
+    "ItemsDataset",
+    "JsonlDataset",
+    "ParquetDataset",
+    "TextFilesDataset",
+    "items",
+    "jsonl",
+    "parquet",
+    "text_files",
+]
+
+OnError = Literal["raise", "skip"]
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".ndjson.gz", ".ndjson.zst")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_on_error(value: Any) -> OnError:
+    if value not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {value!r}")
+    return value
+
+
+def _check_component_id(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"component_id must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def _check_passes(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"passes must be a positive integer or None (repeat forever), "
+                         f"got {value!r}")
+    return int(value)
+
+
+def _check_name(value: Any, default: str) -> str:
+    if value is None:
+        return default
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"name must be a non-empty string, got {value!r}")
+    return value
+
+
+def _check_field(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"field must be a non-empty string such as 'text', got {value!r}")
+    return value
+
+
+def _shard_names(paths: Sequence[str]) -> list[str]:
+    """Location-free names: each path relative to the files' common folder."""
+    normed = [p.split("://", 1)[1] if is_url(p) else os.path.abspath(p).replace(os.sep, "/")
+              for p in paths]
+    try:
+        root = posixpath.commonpath([posixpath.dirname(p) for p in normed])
+    except ValueError:  # a mix of absolute and relative URL paths
+        return [posixpath.basename(p) for p in normed]
+    if not root:
+        return [p.lstrip("/") for p in normed]
+    return [posixpath.relpath(p, root) for p in normed]
+
+
+class _FileDataset(Dataset):
+    """What every file dataset shares: options, shards and id checks."""
+
+    def _init_options(self, *, component_id: Any, name: Any, passes: Any,
+                      on_error: Any) -> None:
+        self.on_error = _check_on_error(on_error)
+        self.component_id = _check_component_id(component_id)
+        self.passes = _check_passes(passes)
+        self.name = _check_name(name, self.kind)
+        self._shards: list[Shard] = []
+
+    def shards(self) -> list[Shard]:
+        """The shards in path order, with their sample counts."""
+        return list(self._shards)
+
+    def _check_ids(self, shard_id: int, local_ids: Sequence[int]) -> np.ndarray:
+        if not 0 <= shard_id < len(self._shards):
+            raise IndexError(f"{self.name}: shard {shard_id} does not exist "
+                             f"({len(self._shards)} shards)")
+        ids = np.asarray(local_ids, dtype=np.int64).reshape(-1)
+        n = self._shards[shard_id].num_samples
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise IndexError(f"{self.name}: sample {bad} is out of range for shard "
+                             f"{shard_id} ({self._shards[shard_id].path}, {n} samples)")
+        return ids
+
+    def _warn(self, message: str) -> None:
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+# ---------------------------------------------------------------- items
+
+
+class ItemsDataset(Dataset):
+    """An in-memory list of payloads: one shard, read inline.
+
+    Args:
+        items: A sequence of payloads. A dict is used as it is (not copied);
+            a str ``s`` becomes ``{"text": s}``; a 1-D array or list of token
+            ids is kept as it is.
+        component_id: The mixture component this dataset feeds.
+        name: Name for messages and the fingerprint.
+        passes: Trips over this dataset (None: the pipeline's ``passes``).
+        on_error: ``"raise"`` or ``"skip"`` for later stages' bad samples.
+
+    Raises:
+        ValueError: ``items`` is a single str/dict/bytes instead of a sequence.
+        TypeError: An item is not a dict, str or array of token ids.
+    """
+
+    kind = "items"
+    raw_format = "dict"
+
+    def __init__(self, items: Sequence[Any], *, component_id: int = 0, name: str = "items",
+                 passes: int | None = None, on_error: OnError = "raise") -> None:
+        if isinstance(items, (str, bytes, dict)):
+            raise ValueError(f"items must be a sequence of payloads, got one "
+                             f"{type(items).__name__}; wrap it in a list: items([...])")
+        if not isinstance(items, Sequence):
+            try:
+                items = list(items)
+            except TypeError:
+                raise ValueError(f"items must be a sequence of payloads (dicts or str), "
+                                 f"got {type(items).__name__}") from None
+        for i, item in enumerate(items):
+            if not isinstance(item, (dict, str, list, tuple, np.ndarray)):
+                raise TypeError(f"items[{i}] is a {type(item).__name__}; each item must be a "
+                                "dict payload, a str (becomes {'text': s}) or an array of "
+                                "token ids")
+        self._items = items
+        self.on_error = _check_on_error(on_error)
+        self.component_id = _check_component_id(component_id)
+        self.passes = _check_passes(passes)
+        self.name = _check_name(name, "items")
+        self._shard = Shard(shard_id=0, num_samples=len(items), name=self.name, path=None,
+                            access="inline")
+
+    def shards(self) -> list[Shard]:
+        """A single in-memory shard."""
+        return [self._shard]
+
+    def read(self, shard_id: int, local_ids: Sequence[int]) -> list[Any]:
+        """The payloads of ``local_ids`` (dicts are the caller's own objects)."""
+        if shard_id != 0:
+            raise IndexError(f"{self.name}: shard {shard_id} does not exist (1 shard)")
+        items = self._items
+        out = []
+        for i in local_ids:
+            item = items[i]
+            out.append({"text": item} if isinstance(item, str) else item)
+        return out
+
+    def stream(self, shard_id: int) -> Iterator[Any]:
+        """The payloads in order."""
+        return iter(self.read(shard_id, range(len(self._items))))
+
+    def locate(self, shard_id: int, local_id: int) -> str:
+        """``"items[17]"``."""
+        return f"{self.name}[{local_id}]"
+
+
+# ---------------------------------------------------------------- jsonl
+
+
+@dataclass(frozen=True, slots=True)
+class _JsonlFile:
+    path: str
+    compression: str | None  # None, "gzip" or "zstd"
+    stat: FileStat
+    key: str | None  # index cache key; None: not cacheable
+
+
+def _compression_of(path: str) -> str | None:
+    lower = path.lower()
+    if lower.endswith(".gz"):
+        return "gzip"
+    if lower.endswith(".zst"):
+        return "zstd"
+    return None
+
+
+class JsonlDataset(_FileDataset):
+    """JSON Lines files: one sample per non-blank line.
+
+    Plain files are read by pointer through a line index (byte offset and
+    line number of each non-blank line) built by one scan and cached on disk
+    (see ``index_cache.py``). ``.gz`` and ``.zst`` files are streams: counting
+    takes one decompressing pass (its result is cached the same way) and
+    samples come from :meth:`stream`. Raw payloads are the lines' bytes
+    without the line ending.
+
+    Args:
+        paths: A path, glob, directory or fsspec URL, or a list of them.
+        component_id: The mixture component this dataset feeds.
+        name: Name for messages and the fingerprint (default ``"jsonl"``).
+        passes: Trips over this dataset (None: the pipeline's ``passes``).
+        on_error: ``"raise"``: a truncated compressed file (and, later, a bad
+            line) is an error naming the file; ``"skip"``: keep the complete
+            lines before the damage (warning) and tombstone bad lines.
+        cache_dir: Folder of the index cache (default ``$ZEPHON_CACHE_DIR`` or
+            ``~/.cache/zephon_torch/index``).
+
+    Raises:
+        ValueError: Empty ``paths``, an unsupported extension, a bad option,
+            or a truncated/corrupt compressed file with ``on_error="raise"``.
+        FileNotFoundError: A path or glob that matches no file.
+    """
+
+    kind = "jsonl"
+    raw_format = "json"
+    #: Memory-mapped indexes kept open per process.
+    loaded_index_cache_size: ClassVar[int] = 64
+
+    def __init__(self, paths: str | Sequence[str], *, component_id: int = 0,
+                 name: str | None = None, passes: int | None = None,
+                 on_error: OnError = "raise", cache_dir: str | os.PathLike | None = None) -> None:
+        self._init_options(component_id=component_id, name=name, passes=passes,
+                           on_error=on_error)
+        files = expand_paths(paths, what="jsonl", suffixes=JSONL_SUFFIXES)
+        self.cache_dir = (default_cache_dir() if cache_dir is None
+                          else os.path.abspath(os.fspath(cache_dir)))
+        self._files: list[_JsonlFile] = []
+        # Indexes without a disk copy stay here (and travel when pickled);
+        # those on disk are memory-mapped on demand into a bounded cache.
+        self._pinned: dict[int, np.ndarray] = {}
+        self._loaded = LRUCache(self.loaded_index_cache_size)
+        self._handles = HandlePool(8)
+        for shard_id, (path, shard_name) in enumerate(zip(files, _shard_names(files))):
+            compression = _compression_of(path)
+            if compression == "zstd":
+                _require("zstandard", "read .zst files")
+            stat = stat_file(path)
+            kind = f"lines.{compression or 'plain'}"
+            file = _JsonlFile(path, compression, stat, index_key(path, stat, kind))
+            self._files.append(file)
+            index = self._cached_index(file)
+            if index is None:
+                index, complete = self._scan(file)
+                if not (complete and file.key and save_index(self.cache_dir, file.key, index)):
+                    self._pinned[shard_id] = index
+            self._shards.append(Shard(shard_id=shard_id, num_samples=len(index),
+                                      name=shard_name, path=path,
+                                      access="stream" if compression else "pointer"))
+
+    # -- index ------------------------------------------------------------
+
+    def _cached_index(self, file: _JsonlFile) -> np.ndarray | None:
+        return None if file.key is None else load_index(self.cache_dir, file.key)
+
+    def _scan(self, file: _JsonlFile) -> tuple[np.ndarray, bool]:
+        """Index a file with one pass; returns (index, complete)."""
+        scanner = LineScanner()
+        with open_binary(file.path) as fh:
+            try:
+                for block in iter_decompressed(fh, file.compression):
+                    scanner.feed(block)
+            except TruncatedStreamError as exc:
+                index = scanner.finish(complete_only=True)
+                message = f"jsonl: {file.path!r} is truncated or corrupt: {exc}"
+                if self.on_error == "raise":
+                    raise ValueError(f"{message}; re-create the file, or pass "
+                                     "on_error='skip' to keep the complete lines before the "
+                                     "damage") from exc
+                self._warn(f"{message}; on_error='skip' keeps the {len(index)} complete "
+                           "lines before the damage")
+                return index, False
+        if file.compression is None and scanner.position != file.stat.size:
+            raise ValueError(f"jsonl: {file.path!r} changed while it was being indexed; "
+                             "run again once it is no longer being written")
+        return scanner.finish(), True
+
+    def _index(self, shard_id: int) -> np.ndarray:
+        index = self._pinned.get(shard_id)
+        if index is None:
+            index = self._loaded.get(shard_id)
+        if index is None:
+            file = self._files[shard_id]
+            index = self._cached_index(file)
+            if index is None:  # the cache entry was removed: index again
+                index, complete = self._scan(file)
+                if complete and file.key:
+                    save_index(self.cache_dir, file.key, index)
+            if len(index) != self._shards[shard_id].num_samples:
+                raise ValueError(f"jsonl: {file.path!r} changed since it was indexed "
+                                 f"({self._shards[shard_id].num_samples} lines then, "
+                                 f"{len(index)} now); restart the pipeline to re-index it")
+            self._loaded.put(shard_id, index)
+        return index
+
+    # -- reading ----------------------------------------------------------
+
+    def _open(self, shard_id: int) -> RandomAccessFile:
+        file = self._files[shard_id]
+        handle = RandomAccessFile(file.path)
+        now = handle.stat()
+        if now.size != file.stat.size or (now.mtime and file.stat.mtime
+                                          and now.mtime != file.stat.mtime):
+            handle.close()
+            raise ValueError(f"jsonl: {file.path!r} changed since it was indexed (size "
+                             f"{file.stat.size} then, {now.size} now); restart the pipeline "
+                             "to re-index it")
+        return handle
+
+    def read(self, shard_id: int, local_ids: Sequence[int]) -> list[bytes]:
+        """The raw bytes of lines ``local_ids`` (without line endings), in the order given.
+
+        Raises:
+            ValueError: The shard is compressed (stream it instead) or the
+                file changed since it was indexed.
+        """
+        ids = self._check_ids(shard_id, local_ids)
+        file = self._files[shard_id]
+        if file.compression is not None:
+            raise ValueError(f"jsonl: {file.path!r} is compressed and can only be read in "
+                             "order with stream(); its shard has access 'stream'")
+        if not ids.size:
+            return []
+        index = self._index(shard_id)
+        unique, inverse = np.unique(ids, return_inverse=True)
+        handle = self._handles.get(shard_id, lambda: self._open(shard_id))
+        lines = read_lines_at(handle, index[:, 0], file.stat.size, unique)
+        if unique.size == ids.size and np.array_equal(unique, ids):
+            return lines
+        return [lines[k] for k in inverse.reshape(-1).tolist()]
+
+    def stream(self, shard_id: int) -> Iterator[bytes]:
+        """The shard's lines in file order (the only way to read a compressed shard).
+
+        Raises:
+            ValueError: The file is truncated (with ``on_error="raise"``) or
+                holds a different number of lines than when it was counted.
+        """
+        file = self._files[shard_id]
+        expected = self._shards[shard_id].num_samples
+        count = 0
+        changed = (f"jsonl: {file.path!r} changed since it was counted ({expected} lines "
+                   "then); restart the pipeline to re-index it")
+        with open_binary(file.path) as fh:
+            try:
+                for line in iter_lines(iter_decompressed(fh, file.compression)):
+                    if count == expected:
+                        raise ValueError(changed)
+                    yield line
+                    count += 1
+            except TruncatedStreamError as exc:
+                if self.on_error == "raise" or count != expected:
+                    raise ValueError(f"jsonl: {file.path!r} is truncated or corrupt: {exc}; "
+                                     "re-create the file, or pass on_error='skip' to keep "
+                                     "the complete lines before the damage") from exc
+                return  # skip mode: the lines before the damage, as counted
+        if count != expected:
+            raise ValueError(changed)
+
+    def locate(self, shard_id: int, local_id: int) -> str:
+        """``"data/part-0.jsonl line 17"`` (the 1-based line in the file)."""
+        file = self._files[shard_id]
+        try:
+            index = self._index(shard_id)
+        except (OSError, ValueError):
+            return f"{file.path} sample {local_id}"
+        if 0 <= local_id < len(index):
+            return f"{file.path} line {int(index[local_id, 1])}"
+        return f"{file.path} sample {local_id}"
+
+
+# ---------------------------------------------------------------- parquet
+
+
+def _require(module: str, why: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{module} is needed to {why}; install it with "
+                          f"`pip install {module}`") from exc
+
+
+class _ParquetHandle:
+    """An open ``ParquetFile`` and, for URLs, the file object under it."""
+
+    def __init__(self, path: str) -> None:
+        pq = _require("pyarrow.parquet", "read Parquet files")
+        self._raw = open_binary(path) if is_url(path) else None
+        self.file = pq.ParquetFile(self._raw if self._raw is not None else path)
+
+    def close(self) -> None:
+        self.file.close()
+        if self._raw is not None:
+            self._raw.close()
+
+
+def _is_numeric(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return (pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
+            or pa.types.is_boolean(arrow_type))
+
+
+def _column_values(column: Any) -> list[Any]:
+    """Python values of a column; lists of numbers become numpy arrays of their dtype."""
+    import pyarrow as pa
+
+    kind = column.type
+    if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _is_numeric(kind.value_type):
+        arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+        if arr.values.null_count == 0:  # numpy cannot hold a null inside an int array
+            flat = arr.values.to_numpy(zero_copy_only=False)
+            offsets = arr.offsets.to_numpy()
+            valid = arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else None
+            # Copies, so a row neither pins the row group nor is read-only.
+            return [flat[offsets[i]:offsets[i + 1]].copy() if valid is None or valid[i]
+                    else None for i in range(len(arr))]
+    if pa.types.is_fixed_size_list(kind) and _is_numeric(kind.value_type):
+        dtype = kind.value_type.to_pandas_dtype()
+        return [None if v is None or None in v else np.asarray(v, dtype=dtype)
+                for v in column.to_pylist()]
+    return column.to_pylist()
+
+
+def _table_rows(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
+    """One dict per requested row of a decoded row group."""
+    import pyarrow as pa
+
+    n = rows.size
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool(np.all(np.diff(rows) == 1)):
+        part = table.slice(int(rows[0]), n)  # a contiguous run: no copy
+    else:
+        part = table.take(pa.array(rows))
+    names = part.column_names
+    if not names:
+        return [{} for _ in range(n)]
+    columns = [_column_values(part.column(i)) for i in range(part.num_columns)]
+    return [dict(zip(names, values)) for values in zip(*columns)]
+
+
+class ParquetDataset(_FileDataset):
+    """Parquet files: one sample per row, read by row group.
+
+    Counting uses the file metadata only. :meth:`read` maps local ids to row
+    groups (cumulative row counts) and decodes only the row groups it needs;
+    the last decoded row group of each shard is kept (a small per-process
+    LRU), so neighbouring ids do not decode it again. A row is a dict; a list
+    column of numbers becomes a numpy array of its type (``list<int32>`` ->
+    ``np.int32``), everything else Python values.
+
+    Args:
+        paths: A path, glob, directory or fsspec URL, or a list of them.
+        columns: Columns to read (None: all). A str means one column.
+        component_id: The mixture component this dataset feeds.
+        name: Name for messages and the fingerprint (default ``"parquet"``).
+        passes: Trips over this dataset (None: the pipeline's ``passes``).
+        on_error: ``"raise"``: a file that cannot be opened is an error;
+            ``"skip"``: it is a shard of 0 samples, with a warning.
+
+    Raises:
+        ValueError: Empty ``paths``, an unsupported extension, a bad option, a
+            missing column, or an unreadable file with ``on_error="raise"``.
+        FileNotFoundError: A path or glob that matches no file.
+    """
+
+    kind = "parquet"
+    raw_format = "dict"
+    #: Shards whose last decoded row group is kept, per process.
+    row_group_cache_size: ClassVar[int] = 4
+
+    def __init__(self, paths: str | Sequence[str], *, columns: Sequence[str] | None = None,
+                 component_id: int = 0, name: str | None = None, passes: int | None = None,
+                 on_error: OnError = "raise") -> None:
+        self._init_options(component_id=component_id, name=name, passes=passes,
+                           on_error=on_error)
+        pq = _require("pyarrow.parquet", "read Parquet files")
+        if isinstance(columns, str):
+            columns = [columns]
+        if columns is not None:
+            columns = list(columns)
+            if not all(isinstance(c, str) and c for c in columns):
+                raise ValueError(f"parquet: columns must be a list of column names, "
+                                 f"got {columns!r}")
+        self.columns: list[str] | None = columns
+        files = expand_paths(paths, what="parquet", suffixes=PARQUET_SUFFIXES)
+        self._paths = files
+        self._bounds: list[np.ndarray] = []
+        self._handles = HandlePool(8)
+        self._groups = LRUCache(self.row_group_cache_size)
+        for shard_id, (path, shard_name) in enumerate(zip(files, _shard_names(files))):
+            counts = self._row_group_sizes(pq, path)
+            bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=bounds[1:])
+            self._bounds.append(bounds)
+            self._shards.append(Shard(shard_id=shard_id, num_samples=int(bounds[-1]),
+                                      name=shard_name, path=path, access="pointer"))
+
+    def _row_group_sizes(self, pq: Any, path: str) -> list[int]:
+        try:
+            raw = open_binary(path) if is_url(path) else None
+            try:
+                with pq.ParquetFile(raw if raw is not None else path) as pf:
+                    meta = pf.metadata
+                    names = pf.schema_arrow.names
+                    counts = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            finally:
+                if raw is not None:
+                    raw.close()
+        except Exception as exc:  # pyarrow raises several types for a bad file
+            message = f"parquet: cannot open {path!r} as a Parquet file ({exc})"
+            if self.on_error == "raise":
+                raise ValueError(f"{message}; check the file, or pass on_error='skip' to "
+                                 "treat it as an empty shard") from exc
+            self._warn(f"{message}; on_error='skip' treats it as a shard of 0 samples")
+            return []
+        missing = [c for c in self.columns or () if c not in names]
+        if missing:
+            raise ValueError(f"parquet: {path!r} has no column {', '.join(map(repr, missing))}; "
+                             f"its columns are {names}")
+        return counts
+
+    def _read_row_group(self, shard_id: int, row_group: int) -> Any:
+        """Decode one row group of a shard (a ``pyarrow.Table`` of ``columns``)."""
+        path = self._paths[shard_id]
+        handle = self._handles.get(shard_id, lambda: _ParquetHandle(path))
+        return handle.file.read_row_group(row_group, columns=self.columns)
+
+    def _row_group(self, shard_id: int, row_group: int) -> Any:
+        cached = self._groups.get(shard_id)
+        if cached is not None and cached[0] == row_group:
+            return cached[1]
+        table = self._read_row_group(shard_id, row_group)
+        self._groups.put(shard_id, (row_group, table))
+        return table
+
+    def read(self, shard_id: int, local_ids: Sequence[int]) -> list[dict[str, Any]]:
+        """One dict per row of ``local_ids``, in the order given."""
+        ids = self._check_ids(shard_id, local_ids)
+        if not ids.size:
+            return []
+        bounds = self._bounds[shard_id]
+        groups = np.searchsorted(bounds, ids, side="right") - 1
+        out: list[Any] = [None] * ids.size
+        for group in np.unique(groups).tolist():  # ascending: each group read once
+            where = np.flatnonzero(groups == group)
+            rows = _table_rows(self._row_group(shard_id, group), ids[where] - bounds[group])
+            for position, row in zip(where.tolist(), rows):
+                out[position] = row
+        return out
+
+    def locate(self, shard_id: int, local_id: int) -> str:
+        """``"x.parquet row 12"`` (the 0-based row in the file)."""
+        return f"{self._paths[shard_id]} row {local_id}"
+
+    def describe(self) -> dict[str, Any]:
+        """Kind, name, shards and the ``columns`` read."""
+        return {**super().describe(), "columns": self.columns}
+
+
+# ---------------------------------------------------------------- text files
+
+
+class TextFilesDataset(_FileDataset):
+    """Text files, each one document: one shard of one sample per file.
+
+    Raw payloads are the file's bytes; ``decode_text`` makes them
+    ``{field: text}``. An empty file is still one sample (``decode_text``
+    turns it into an ``"empty"`` tombstone, so it is counted, not lost).
+
+    Args:
+        paths: A path, glob, directory or fsspec URL, or a list of them (any
+            extension).
+        component_id: The mixture component this dataset feeds.
+        name: Name for messages and the fingerprint (default ``"text_files"``).
+        passes: Trips over this dataset (None: the pipeline's ``passes``).
+        on_error: ``"raise"`` or ``"skip"`` (for files that are not UTF-8).
+        field: The payload key the text goes to.
+
+    Raises:
+        ValueError: Empty ``paths`` or a bad option.
+        FileNotFoundError: A path or glob that matches no file.
+    """
+
+    kind = "text_files"
+    raw_format = "text"
+
+    def __init__(self, paths: str | Sequence[str], *, component_id: int = 0,
+                 name: str | None = None, passes: int | None = None,
+                 on_error: OnError = "raise", field: str = "text") -> None:
+        self._init_options(component_id=component_id, name=name, passes=passes,
+                           on_error=on_error)
+        self.field = _check_field(field)
+        files = expand_paths(paths, what="text_files", suffixes=None)
+        self._paths = files
+        self._shards = [Shard(shard_id=i, num_samples=1, name=n, path=p, access="pointer")
+                        for i, (p, n) in enumerate(zip(files, _shard_names(files)))]
+
+    def read(self, shard_id: int, local_ids: Sequence[int]) -> list[bytes]:
+        """The file's bytes, once per requested id (each id must be 0)."""
+        ids = self._check_ids(shard_id, local_ids)
+        if not ids.size:
+            return []
+        with open_binary(self._paths[shard_id]) as fh:
+            data = fh.read()
+        return [data] * ids.size
+
+    def locate(self, shard_id: int, local_id: int) -> str:
+        """The file's path."""
+        return self._paths[shard_id]
+
+    def describe(self) -> dict[str, Any]:
+        """Kind, name, shards and the payload ``field``."""
+        return {**super().describe(), "field": self.field}
+
+
+# ---------------------------------------------------------------- factories
+
+
+def items(items: Sequence[Any], *, component_id: int = 0, name: str = "items",
+          passes: int | None = None, on_error: OnError = "raise") -> ItemsDataset:
+    """An in-memory dataset (see :class:`ItemsDataset`).
+
+    Example:
+        >>> len(items(["a", {"text": "b"}]))
+        2
+    """
+    return ItemsDataset(items, component_id=component_id, name=name, passes=passes,
+                        on_error=on_error)
+
+
+def jsonl(paths: str | Sequence[str], *, component_id: int = 0, name: str | None = None,
+          passes: int | None = None, on_error: OnError = "raise",
+          cache_dir: str | os.PathLike | None = None) -> JsonlDataset:
+    """JSON Lines files, plain, ``.gz`` or ``.zst`` (see :class:`JsonlDataset`)."""
+    return JsonlDataset(paths, component_id=component_id, name=name, passes=passes,
+                        on_error=on_error, cache_dir=cache_dir)
+
+
+def parquet(paths: str | Sequence[str], *, columns: Sequence[str] | None = None,
+            component_id: int = 0, name: str | None = None, passes: int | None = None,
+            on_error: OnError = "raise") -> ParquetDataset:
+    """Parquet files, one sample per row (see :class:`ParquetDataset`)."""
+    return ParquetDataset(paths, columns=columns, component_id=component_id, name=name,
+                          passes=passes, on_error=on_error)
+
+
+def text_files(paths: str | Sequence[str], *, component_id: int = 0, name: str | None = None,
+               passes: int | None = None, on_error: OnError = "raise",
+               field: str = "text") -> TextFilesDataset:
+    """Text files, one document each (see :class:`TextFilesDataset`)."""
+    return TextFilesDataset(paths, component_id=component_id, name=name, passes=passes,
+                            on_error=on_error, field=field)

@@ -1,0 +1,190 @@
+"""Turning the schedule's chunks into records for the lanes a consumer owns.
+
+The emitter walks the global chunk sequence, skips the chunks of lanes it does
+not own (their pointers are never computed), and turns each owned chunk into
+one record per pointer, with the meta the rest of the pipeline orders by::
+
+    SampleMeta(sample_id=(dataset_id, shard_id, local_id), lane_id, chunk_id,
+               chunk_offset=i, component_sample_counts={component: 1})
+
+Payloads depend on the shard's access kind: the :data:`POINTER` marker for
+random-access files (``fetch`` reads them later, on the workers), the raw
+bytes for sequential (compressed) files, read here in order, and the item
+itself for in-memory data (an empty text becomes a tombstone at once).
+
+After every ``flush_every`` chunks of a lane, a flush sentinel for that lane
+follows, tagged with the boundary's ``chunk_id`` (the first chunk of the next
+epoch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from zephon_torch.ops.base import tombstone
+from zephon_torch.sources.base import POINTER, Dataset
+from zephon_torch.sources.schedule import Chunk, ScheduleState, WorkSchedule
+from zephon_torch.types import FLUSH_SENTINEL_TAG, SampleMeta, SampleRecord
+
+__all__ = ["SourceEmitter", "flush_sentinel"]
+
+_SENTINEL_ID = (-1, -1, -1)
+
+
+def flush_sentinel(lane_id: int, boundary_chunk_id: int) -> SampleRecord:
+    """A flush sentinel for ``lane_id`` at the epoch boundary ``boundary_chunk_id``."""
+    meta = SampleMeta(_SENTINEL_ID, lane_id, boundary_chunk_id, 0, None, None, (),
+                      {FLUSH_SENTINEL_TAG: True})
+    return SampleRecord(meta, None)
+
+
+class _StreamReader:
+    """Sequential reads of one shard, reopened when asked to go backwards."""
+
+    def __init__(self, dataset: Dataset, shard_id: int) -> None:
+        self.dataset = dataset
+        self.shard_id = shard_id
+        self._iter: Iterator[Any] | None = None
+        self._next = 0
+
+    def get(self, local_id: int) -> Any:
+        if self._iter is None or local_id < self._next:
+            self._iter = iter(self.dataset.stream(self.shard_id))
+            self._next = 0
+        while self._next < local_id:  # skip what this consumer does not need
+            next(self._iter)
+            self._next += 1
+        self._next += 1
+        return next(self._iter)
+
+
+class SourceEmitter:
+    """Yields, chunk by chunk, the records of the owned lanes in global order.
+
+    Args:
+        schedule: The work schedule.
+        datasets: The datasets (index = dataset_id).
+        lanes: Lanes to emit; chunks of other lanes are skipped.
+        flush_every: Emit a flush sentinel after every this many chunks of a
+            lane (0: never).
+        on_chunk: Called with every emitted :class:`Chunk` before its records
+            are yielded (progress accounting registers chunks here).
+        start: Schedule state to start from (default: the beginning).
+    """
+
+    def __init__(
+        self,
+        schedule: WorkSchedule,
+        datasets: Sequence[Dataset],
+        *,
+        lanes: Sequence[int],
+        flush_every: int = 0,
+        on_chunk: Callable[[Chunk], None] | None = None,
+        start: ScheduleState | None = None,
+    ) -> None:
+        self.schedule = schedule
+        self.datasets = list(datasets)
+        self.lanes = frozenset(lanes)
+        self.flush_every = flush_every
+        self.on_chunk = on_chunk
+        self.state = start if start is not None else schedule.initial_state()
+        self._counts = [{d.component_id: 1} for d in self.datasets]
+        self._shards = [d.shards() for d in self.datasets]
+        self._all_pointers = all(
+            s.access == "pointer" for shards in self._shards for s in shards
+        )
+        self._streams: dict[tuple[int, int], _StreamReader] = {}
+        self.finished = False
+
+    def __iter__(self) -> Iterator[list[SampleRecord]]:
+        return self
+
+    def __next__(self) -> list[SampleRecord]:
+        schedule = self.schedule
+        lanes = self.lanes
+        while True:
+            lane_id, _ = schedule.lane_of(self.state.global_chunk)
+            if lane_id in lanes:
+                chunk, nxt = schedule.chunk(self.state)
+            else:
+                chunk, (components, nxt) = None, schedule.advance(self.state)
+                if components is not None:
+                    self.state = nxt
+                    continue
+            if chunk is None:
+                self.finished = True
+                raise StopIteration
+            self.state = nxt
+            if self.on_chunk is not None:
+                self.on_chunk(chunk)
+            records = self.records(chunk)
+            if self.flush_every and (chunk.chunk_id + 1) % self.flush_every == 0:
+                records.append(flush_sentinel(chunk.lane_id, chunk.chunk_id + 1))
+            return records
+
+    def records(self, chunk: Chunk) -> list[SampleRecord]:
+        """The records of one chunk, in chunk order."""
+        lane_id, chunk_id = chunk.lane_id, chunk.chunk_id
+        counts = self._counts
+        dataset_ids = chunk.dataset_ids.tolist()
+        shard_ids = chunk.shard_ids.tolist()
+        local_ids = chunk.local_ids.tolist()
+        if self._all_pointers:
+            payloads: list[Any] = [POINTER] * len(local_ids)
+        elif _single(chunk.dataset_ids) and _single(chunk.shard_ids) and \
+                self._shards[dataset_ids[0]][shard_ids[0]].access == "inline":
+            payloads = self.datasets[dataset_ids[0]].read(shard_ids[0], local_ids)
+        else:
+            payloads = self._payloads(dataset_ids, shard_ids, local_ids)
+        if _single(chunk.dataset_ids):  # the common case: one dataset, one counts dict
+            d, count = dataset_ids[0], counts[dataset_ids[0]]
+            records = [
+                SampleRecord(SampleMeta((d, s, i), lane_id, chunk_id, offset, count), payload)
+                for offset, s, i, payload in zip(range(len(local_ids)), shard_ids, local_ids,
+                                                  payloads)
+            ]
+        else:
+            records = [
+                SampleRecord(SampleMeta((d, s, i), lane_id, chunk_id, offset, counts[d]),
+                             payload)
+                for offset, (d, s, i, payload) in enumerate(
+                    zip(dataset_ids, shard_ids, local_ids, payloads)
+                )
+            ]
+        if not self._all_pointers:
+            # An empty in-memory or streamed document is closed by a tombstone now.
+            empty = [i for i, p in enumerate(payloads)
+                     if type(p) is dict and _blank(p.get("text"))]
+            for i in empty:
+                records[i] = tombstone(records[i], "empty")
+        return records
+
+    def _payloads(self, dataset_ids: list[int], shard_ids: list[int],
+                  local_ids: list[int]) -> list[Any]:
+        payloads: list[Any] = [POINTER] * len(local_ids)
+        inline: dict[tuple[int, int], list[int]] = {}
+        for pos, (d, s, i) in enumerate(zip(dataset_ids, shard_ids, local_ids)):
+            access = self._shards[d][s].access
+            if access == "inline":
+                inline.setdefault((d, s), []).append(pos)
+            elif access == "stream":
+                reader = self._streams.get((d, s))
+                if reader is None:
+                    reader = self._streams[(d, s)] = _StreamReader(self.datasets[d], s)
+                payloads[pos] = reader.get(i)
+        for (d, s), positions in inline.items():
+            values = self.datasets[d].read(s, [local_ids[p] for p in positions])
+            for pos, value in zip(positions, values):
+                payloads[pos] = value
+        return payloads
+
+
+def _blank(text: Any) -> bool:
+    return type(text) is str and (not text or text.isspace())
+
+
+def _single(values: np.ndarray) -> bool:
+    return len(values) == 0 or (values[0] == values[-1] and bool((values == values[0]).all()))

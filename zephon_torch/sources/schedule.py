@@ -1,0 +1,264 @@
+"""The work schedule: which samples form which chunk, and which lane gets it.
+
+The schedule is a pure function of the configuration (datasets and their
+sizes, weights, ``chunk_size``, ``num_lanes``, ``seed``, passes), so every
+rank computes the same one and keeps only its own chunks.
+
+**One dataset.** Its *stream* is pass 0, then pass 1, ...; inside a pass the
+shards come in a seeded order and, for random-access shards, the samples of
+a shard in a seeded order too (a memory-free Feistel permutation, reshuffled
+per pass). Position ``k`` of the stream is pass ``k // size``.
+
+**Several datasets (a mixture).** Global position ``n`` takes its next
+pointer from the component with the largest deficit ``(n + 1) * w_c -
+count_c`` (ties: lowest component), which is smooth weighted round-robin: a
+100-pointer chunk at 70/30 holds 70 and 30, interleaved. The state is just
+``count_c`` per component, so a chunk is regenerated from its start counts.
+
+**Chunks and lanes.** The global stream is cut into chunks of
+``chunk_size`` pointers; global chunk ``g`` goes to lane ``g % num_lanes``
+as its lane-local ``chunk_id = g // num_lanes``::
+
+    global chunks   0   1   2   3   4   5   6   7 ...   (num_lanes = 3)
+    lane            0   1   2   0   1   2   0   1
+    chunk_id        0   0   0   1   1   1   2   2
+
+**The end.** A single dataset ends after its passes (``None``: never). A
+mixture with ``exhausted="repeat"`` ends once every dataset has finished its
+passes (the early finishers repeat, reshuffled); with ``"stop"`` it ends when
+the first dataset runs out. The last chunk may be short.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from zephon_torch.sources.base import Dataset, Shard
+from zephon_torch.sources.permute import permute, seed_key
+
+__all__ = ["Chunk", "ScheduleState", "WorkSchedule"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleState:
+    """Where the schedule stands: the next global chunk and per-dataset counts."""
+
+    global_chunk: int
+    counts: tuple[int, ...]
+
+    def to_json(self) -> list[int]:
+        """Compact JSON form: ``[global_chunk, count_0, count_1, ...]``."""
+        return [self.global_chunk, *self.counts]
+
+    @staticmethod
+    def from_json(value: Sequence[int]) -> ScheduleState:
+        """Inverse of :meth:`to_json`."""
+        return ScheduleState(int(value[0]), tuple(int(v) for v in value[1:]))
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One chunk of pointers, with everything needed to build its records.
+
+    Attributes:
+        start: The schedule state this chunk was generated from (its compact
+            description in a checkpoint).
+        lane_id: The lane that owns it.
+        chunk_id: Its lane-local index.
+        dataset_ids, shard_ids, local_ids: One entry per pointer, in order.
+    """
+
+    start: ScheduleState
+    lane_id: int
+    chunk_id: int
+    dataset_ids: np.ndarray
+    shard_ids: np.ndarray
+    local_ids: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.local_ids)
+
+
+class _DatasetStream:
+    """Maps stream positions of one dataset to ``(shard_id, local_id)``."""
+
+    def __init__(self, dataset_id: int, dataset: Dataset, seed: int, shuffle: bool) -> None:
+        self.dataset_id = dataset_id
+        self.shards: list[Shard] = dataset.shards()
+        self.sizes = np.array([s.num_samples for s in self.shards], dtype=np.int64)
+        self.size = int(self.sizes.sum())
+        self.seed = seed
+        self.shuffle = shuffle
+        self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _pass_layout(self, pass_index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Shard order of a pass and the cumulative sizes in that order."""
+        layout = self._orders.get(pass_index)
+        if layout is None:
+            count = len(self.shards)
+            order = np.arange(count, dtype=np.int64)
+            if self.shuffle and count > 1:
+                order = permute(order, count, seed_key(self.seed, self.dataset_id, pass_index))
+            layout = (order, np.cumsum(self.sizes[order]))
+            if len(self._orders) > 4:
+                self._orders.clear()
+            self._orders[pass_index] = layout
+        return layout
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Shard and local ids of stream ``positions`` (ascending int64)."""
+        shard_ids = np.empty(len(positions), dtype=np.int64)
+        local_ids = np.empty(len(positions), dtype=np.int64)
+        passes = positions // self.size
+        for pass_index in np.unique(passes).tolist():
+            sel = passes == pass_index
+            offsets = positions[sel] - pass_index * self.size
+            order, ends = self._pass_layout(pass_index)
+            slot = np.searchsorted(ends, offsets, side="right")
+            shard = order[slot]
+            within = offsets - (ends[slot] - self.sizes[shard])
+            if self.shuffle:
+                within = self._shuffle_within(shard, within, pass_index)
+            shard_ids[sel] = shard
+            local_ids[sel] = within
+        return shard_ids, local_ids
+
+    def _shuffle_within(self, shard: np.ndarray, within: np.ndarray,
+                        pass_index: int) -> np.ndarray:
+        out = within.copy()
+        for shard_id in np.unique(shard).tolist():
+            info = self.shards[shard_id]
+            if info.access == "stream":  # sequential only: keep file order
+                continue
+            sel = shard == shard_id
+            key = seed_key(self.seed, self.dataset_id, pass_index, shard_id)
+            out[sel] = permute(within[sel], info.num_samples, key)
+        return out
+
+
+class WorkSchedule:
+    """The global chunk sequence of a set of datasets (see the module doc).
+
+    Args:
+        datasets: The datasets; their index is their ``dataset_id``.
+        chunk_size: Pointers per chunk.
+        num_lanes: Lanes chunks are dealt to.
+        seed: Seed of every shuffle.
+        passes: Default trips over each dataset (``None``: forever); a
+            dataset's own ``passes`` overrides it.
+        shuffle: Shuffle shard order and sample order per pass.
+        weights: Share of each dataset in the stream (``None``: proportional
+            to their sizes). Normalised here.
+        exhausted: ``"repeat"`` or ``"stop"`` (see the module doc).
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[Dataset],
+        *,
+        chunk_size: int,
+        num_lanes: int,
+        seed: int = 0,
+        passes: int | None = 1,
+        shuffle: bool = True,
+        weights: Sequence[float] | None = None,
+        exhausted: str = "repeat",
+    ) -> None:
+        if exhausted not in ("repeat", "stop"):
+            raise ValueError(f"exhausted must be 'repeat' or 'stop', got {exhausted!r}")
+        self.chunk_size = chunk_size
+        self.num_lanes = num_lanes
+        self.streams = [_DatasetStream(i, d, seed, shuffle) for i, d in enumerate(datasets)]
+        self.limits: list[float] = []
+        for dataset, stream in zip(datasets, self.streams):
+            trips = dataset.passes if dataset.passes is not None else passes
+            self.limits.append(float("inf") if trips is None else trips * stream.size)
+        sizes = [s.size for s in self.streams]
+        raw = list(weights) if weights is not None else [float(n) for n in sizes]
+        # An empty dataset can never supply a pointer: it takes no share.
+        raw = [w if n > 0 else 0.0 for w, n in zip(raw, sizes)]
+        total = float(sum(raw))
+        self.weights = [w / total for w in raw] if total > 0 else [0.0] * len(raw)
+        self.exhausted = exhausted
+        self._active = [i for i, w in enumerate(self.weights) if w > 0]
+        self._mixture = len(self._active) > 1
+
+    @property
+    def component_count(self) -> int:
+        """Number of datasets."""
+        return len(self.streams)
+
+    def initial_state(self) -> ScheduleState:
+        """The state before the first chunk."""
+        return ScheduleState(0, (0,) * len(self.streams))
+
+    def lane_of(self, global_chunk: int) -> tuple[int, int]:
+        """``(lane_id, chunk_id)`` of a global chunk."""
+        return global_chunk % self.num_lanes, global_chunk // self.num_lanes
+
+    def advance(self, state: ScheduleState) -> tuple[np.ndarray | None, ScheduleState]:
+        """The dataset of each pointer of the chunk at ``state``, and the next state.
+
+        Returns ``(None, state)`` when the stream has ended.
+        """
+        if self._mixture:
+            return self._advance_mixture(state)
+        return self._advance_single(state)
+
+    def _advance_single(self, state: ScheduleState) -> tuple[np.ndarray | None, ScheduleState]:
+        if not self._active:
+            return None, state
+        d = self._active[0]
+        take = min(self.chunk_size, self.limits[d] - state.counts[d])
+        if take <= 0:
+            return None, state
+        take = int(take)
+        counts = list(state.counts)
+        counts[d] += take
+        components = np.full(take, d, dtype=np.int64)
+        return components, ScheduleState(state.global_chunk + 1, tuple(counts))
+
+    def _advance_mixture(self, state: ScheduleState) -> tuple[np.ndarray | None, ScheduleState]:
+        counts = list(state.counts)
+        weights = self.weights
+        active = self._active
+        limits = self.limits
+        stop = self.exhausted == "stop"
+        position = sum(counts)
+        picks: list[int] = []
+        for _ in range(self.chunk_size):
+            if all(counts[c] >= limits[c] for c in active):
+                break
+            best, best_deficit = -1, -1.0e300
+            step = position + 1
+            for c in active:
+                deficit = step * weights[c] - counts[c]
+                if deficit > best_deficit:
+                    best, best_deficit = c, deficit
+            if stop and counts[best] >= limits[best]:
+                break
+            picks.append(best)
+            counts[best] += 1
+            position += 1
+        if not picks:
+            return None, state
+        return np.array(picks, dtype=np.int64), ScheduleState(state.global_chunk + 1,
+                                                             tuple(counts))
+
+    def chunk(self, state: ScheduleState) -> tuple[Chunk | None, ScheduleState]:
+        """Generate the chunk at ``state`` (with its pointers) and the next state."""
+        components, nxt = self.advance(state)
+        if components is None:
+            return None, state
+        shard_ids = np.empty(len(components), dtype=np.int64)
+        local_ids = np.empty(len(components), dtype=np.int64)
+        for d in np.unique(components).tolist():
+            sel = components == d
+            first = state.counts[d]
+            positions = np.arange(first, first + int(sel.sum()), dtype=np.int64)
+            shard_ids[sel], local_ids[sel] = self.streams[d].locate(positions)
+        lane_id, chunk_id = self.lane_of(state.global_chunk)
+        return Chunk(state, lane_id, chunk_id, components, shard_ids, local_ids), nxt

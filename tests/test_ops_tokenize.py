@@ -1,0 +1,534 @@
+"""Tests for ``tokenize`` and ``tokenize_chat`` with real tokenizers trained at fixture time."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing
+import pickle
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import pytest
+from fixtures_tokenizer import SPECIAL_TOKENS, train_test_tokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from zephon_torch.ops.accumulators import CountingAccumulator
+from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, OpContext, tombstone
+from zephon_torch.ops.tokenize import (
+    BOS_TOKEN_CANDIDATES,
+    DEFAULT_CHAT_TEMPLATE,
+    EOS_TOKEN_CANDIDATES,
+    Tokenize,
+    TokenizeChat,
+)
+from zephon_torch.types import FLUSH_SENTINEL_TAG, SampleBatch, SampleMeta, SampleRecord
+
+EOT, BOS = 0, 1  # "<|endoftext|>" and "<s>" in the test tokenizer
+TEXTS = ["Hello world, the lane 42!", "", "kazo phelin tra", "ünïcødé ✓ 日本語", "  spaced  "]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return train_test_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def tok(trained):
+    """A private copy: some tests change the tokenizer's settings."""
+    return Tokenizer.from_str(trained[0].to_str())
+
+
+@pytest.fixture
+def tok_path(trained):
+    return trained[1]
+
+
+@pytest.fixture
+def bare_tok(tmp_path):
+    """A tokenizer with no special tokens at all (a fresh one per test)."""
+    return train_test_tokenizer(tmp_path / "bare", special_tokens=())[0]
+
+
+def _rec(i: int, payload, *, lane: int = 0) -> SampleRecord:
+    meta = SampleMeta(sample_id=(0, 3, i), lane_id=lane, chunk_id=1, chunk_offset=i)
+    return SampleRecord(meta, payload)
+
+
+def _texts(texts, field: str = "text") -> list[SampleRecord]:
+    return [_rec(i, {field: t, "keep": i}) for i, t in enumerate(texts)]
+
+
+def _enc(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def _flush_sentinel() -> SampleRecord:
+    meta = SampleMeta(sample_id=(-1, -1, -1), lane_id=0, chunk_id=9,
+                      tags={FLUSH_SENTINEL_TAG: True})
+    return SampleRecord(meta, None)
+
+
+class FakeFastTokenizer:
+    """A stand-in for a transformers fast tokenizer: a real Tokenizer behind
+    ``backend_tokenizer`` plus the special-id attributes transformers exposes."""
+
+    def __init__(self, backend, *, bos_token_id=None, eos_token_id=None):
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+
+    @property
+    def backend_tokenizer(self):
+        return self._backend
+
+
+# --------------------------------------------------------------------------- the fixture
+
+
+def test_fixture_tokenizer_is_deterministic_and_has_the_special_tokens(tmp_path, tok):
+    again, path = train_test_tokenizer(tmp_path)
+    assert again.to_str() == tok.to_str()
+    assert path.name == "tokenizer.json" and path.is_file()
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
+    assert 512 <= tok.get_vocab_size() <= 1024
+
+
+# --------------------------------------------------------------------------- tokenize
+
+
+@pytest.mark.parametrize(
+    ("mode", "prefix", "suffix"),
+    [("bos_eos", [BOS], [EOT]), ("eos", [], [EOT]), ("bos", [BOS], []), ("none", [], [])],
+)
+def test_ids_are_the_tokenizer_ids_plus_requested_specials(tok, mode, prefix, suffix):
+    recs = _texts(TEXTS)
+    out = Tokenize(tok, special_tokens=mode).process_many(recs)
+    for rec, res, text in zip(recs, out, TEXTS, strict=True):
+        ids = res.payload["input_ids"]
+        assert isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1
+        assert ids.tolist() == prefix + _enc(tok, text) + suffix
+        assert res.meta is rec.meta
+        assert res.payload["text"] == text and res.payload["keep"] == rec.payload["keep"]
+        assert "input_ids" not in rec.payload  # shallow copy, input untouched
+
+
+def test_special_ids_are_found_in_the_tokenizer(tok):
+    op = Tokenize(tok)
+    assert (op.bos_token_id, op.eos_token_id) == (BOS, EOT)
+    assert (EOS_TOKEN_CANDIDATES[0], BOS_TOKEN_CANDIDATES[0]) == ("<|endoftext|>", "<s>")
+    op = Tokenize(tok, bos_token_id=2, eos_token_id=3)
+    assert (op.bos_token_id, op.eos_token_id) == (2, 3)
+    (res,) = op.process_many(_texts(["the fox"]))
+    assert res.payload["input_ids"].tolist() == [2, *_enc(tok, "the fox"), 3]
+
+
+def test_lookup_order_prefers_earlier_candidates(bare_tok):
+    # "</s>" is the second EOS candidate, "<|endoftext|>" the last BOS candidate.
+    bare_tok.add_special_tokens(["</s>", "<|endoftext|>"])
+    op = Tokenize(bare_tok)
+    assert op.eos_token_id == bare_tok.token_to_id("<|endoftext|>")
+    assert op.bos_token_id == bare_tok.token_to_id("<|endoftext|>")
+    bare_tok.add_special_tokens(["<s>"])
+    assert Tokenize(bare_tok).bos_token_id == bare_tok.token_to_id("<s>")
+
+
+def test_missing_special_tokens_raise_a_clear_error(bare_tok):
+    with pytest.raises(ValueError, match="bos_token_id") as err:
+        Tokenize(bare_tok)  # both are missing: one message names both
+    assert "eos_token_id" in str(err.value)
+    assert all(t in str(err.value) for t in (*BOS_TOKEN_CANDIDATES, *EOS_TOKEN_CANDIDATES))
+    with pytest.raises(ValueError, match=r"EOS.*'<\|endoftext\|>'.*eos_token_id"):
+        Tokenize(bare_tok, special_tokens="eos")
+    with pytest.raises(ValueError, match=r"BOS.*'<s>'.*bos_token_id"):
+        Tokenize(bare_tok, special_tokens="bos")
+    # Nothing needed, nothing looked up; explicit ids always work.
+    assert Tokenize(bare_tok, special_tokens="none").eos_token_id is None
+    op = Tokenize(bare_tok, bos_token_id=5, eos_token_id=6)
+    assert (op.bos_token_id, op.eos_token_id) == (5, 6)
+
+
+@pytest.mark.parametrize("mode", ["both", "BOS_EOS", "", None])
+def test_unknown_special_tokens_mode_is_rejected(tok, mode):
+    with pytest.raises(ValueError, match="special_tokens"):
+        Tokenize(tok, special_tokens=mode)
+
+
+@pytest.mark.parametrize("bad", [-1, 10**9, 1.0, True, "0"])
+def test_explicit_special_ids_are_validated(tok, bad):
+    with pytest.raises(ValueError, match="eos_token_id"):
+        Tokenize(tok, eos_token_id=bad)
+
+
+def test_max_length_truncates_and_keeps_eos_last(tok):
+    text = "the quick brown fox jumps over the lazy dog"
+    body = _enc(tok, text)
+    assert len(body) > 6
+    recs = _texts([text, "fox"])
+    out = Tokenize(tok, max_length=6).process_many(recs)
+    assert out[0].payload["input_ids"].tolist() == [BOS, *body[:4], EOT]
+    assert out[1].payload["input_ids"].tolist() == [BOS, *_enc(tok, "fox"), EOT]
+    (res,) = Tokenize(tok, special_tokens="eos", max_length=3).process_many(recs[:1])
+    assert res.payload["input_ids"].tolist() == [*body[:2], EOT]
+    (res,) = Tokenize(tok, special_tokens="bos", max_length=3).process_many(recs[:1])
+    assert res.payload["input_ids"].tolist() == [BOS, *body[:2]]
+    (res,) = Tokenize(tok, special_tokens="none", max_length=3).process_many(recs[:1])
+    assert res.payload["input_ids"].tolist() == body[:3]
+    (res,) = Tokenize(tok, max_length=2).process_many(recs[:1])
+    assert res.payload["input_ids"].tolist() == [BOS, EOT]
+    assert res.payload["input_ids"].dtype == np.int32
+
+
+@pytest.mark.parametrize(("mode", "bad"), [("bos_eos", 1), ("eos", 0), ("none", 0),
+                                           ("none", -3), ("none", 2.5)])
+def test_max_length_must_leave_room_for_special_tokens(tok, mode, bad):
+    with pytest.raises(ValueError, match="max_length"):
+        Tokenize(tok, special_tokens=mode, max_length=bad)
+
+
+def test_path_inputs_match_the_tokenizer_object(tok, tok_path):
+    recs = _texts(TEXTS)
+    expected = Tokenize(tok).process_many(recs)
+    for source in (tok_path, str(tok_path), tok_path.parent):
+        op = Tokenize(source)
+        assert op.process_many(recs) == expected
+        assert op.config() == Tokenize(tok).config()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Tokenize(tok_path.parent / "nope.json")
+    with pytest.raises(TypeError, match="tokenizer must be"):
+        Tokenize(object())
+
+
+def test_transformers_style_tokenizer_uses_its_backend_and_special_ids(tok):
+    recs = _texts(TEXTS)
+    assert Tokenize(FakeFastTokenizer(tok)).process_many(recs) == Tokenize(tok).process_many(recs)
+    # The wrapper's own special ids win over the look-up.
+    op = Tokenize(FakeFastTokenizer(tok, bos_token_id=2, eos_token_id=3))
+    assert (op.bos_token_id, op.eos_token_id) == (2, 3)
+    assert Tokenize(FakeFastTokenizer(tok, eos_token_id=3), eos_token_id=0).eos_token_id == 0
+
+
+def test_tokenizer_padding_and_truncation_settings_are_ignored(tok, trained):
+    # Padding to the longest text of a micro-batch would make a sample's ids
+    # depend on its neighbours; the operator switches it off.
+    tok.enable_padding(pad_id=3, pad_token="<pad>", length=None)
+    tok.enable_truncation(max_length=2)
+    out = Tokenize(tok).process_many(_texts(TEXTS))
+    for res, text in zip(out, TEXTS, strict=True):
+        assert res.payload["input_ids"].tolist() == [BOS, *_enc(trained[0], text), EOT]
+    assert tok.padding is not None  # the caller's tokenizer is left as it was
+
+
+def test_custom_fields(tok):
+    recs = [_rec(0, {"body": "the lane", "text": 123})]
+    (res,) = Tokenize(tok, field="body", out_field="tokens").process_many(recs)
+    assert res.payload["tokens"].tolist() == [BOS, *_enc(tok, "the lane"), EOT]
+    assert res.payload["text"] == 123 and "input_ids" not in res.payload
+    with pytest.raises(ValueError, match="out_field"):
+        Tokenize(tok, out_field="")
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [({"other": "x"}, "has no field 'text'"), ({"text": 7}, "is a int, not a str"),
+     ({"text": None}, "is a NoneType"), ("raw string", "payload is a str")],
+)
+def test_bad_text_raises_naming_sample_and_field_or_is_skipped(tok, payload, expected):
+    recs = [_rec(0, {"text": "fine"}), _rec(1, payload), _rec(2, {"text": "also fine"})]
+    with pytest.raises(ValueError, match=r"sample \(0, 3, 1\)") as err:
+        Tokenize(tok).process_many(recs)
+    assert expected in str(err.value) and "on_error='skip'" in str(err.value)
+    out = Tokenize(tok, on_error="skip").process_many(recs)
+    assert out[1].meta.tombstone and out[1].payload is None
+    assert out[1].meta.tags[TOMBSTONE_REASON_TAG] == "tokenize_error"
+    assert out[1].meta.cursor == recs[1].meta.cursor
+    assert out[2].payload["input_ids"].tolist() == [BOS, *_enc(tok, "also fine"), EOT]
+    with pytest.raises(ValueError, match="on_error"):
+        Tokenize(tok, on_error="ignore")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    texts=st.lists(st.text(max_size=40), max_size=24),
+    cuts=st.lists(st.integers(0, 24), max_size=4),
+    mode=st.sampled_from(["bos_eos", "eos", "bos", "none"]),
+    max_length=st.one_of(st.none(), st.integers(2, 12)),
+)
+def test_outputs_do_not_depend_on_micro_batch_boundaries(trained, texts, cuts, mode, max_length):
+    tok = trained[0]
+    op = Tokenize(tok, special_tokens=mode, max_length=max_length)
+    recs = _texts(texts)
+    recs.insert(len(recs) // 2, tombstone(_rec(99, {"text": "x"}), "earlier"))
+    whole = op.process_many(recs)
+    bounds = sorted({0, len(recs), *(c for c in cuts if c <= len(recs))})
+    pieces = [o for a, b in itertools.pairwise(bounds) for o in op.process_many(recs[a:b])]
+    assert pieces == whole
+    # And each record equals what it gets when tokenized alone.
+    assert [o for r in recs for o in op.process_one(r)] == whole
+
+
+def test_pickle_round_trip_rebuilds_the_tokenizer(tok):
+    op = Tokenize(tok, max_length=8)
+    recs = _texts(TEXTS)
+    expected = op.process_many(recs)  # builds and caches the tokenizer
+    assert op.__getstate__()["_tok"] is None
+    assert op._tok is not None  # getstate must not clear the live instance
+    back = pickle.loads(pickle.dumps(op))
+    assert back._tok is None
+    assert back.process_many(recs) == expected
+    assert back.config() == op.config()
+
+
+def test_operator_runs_in_a_spawned_worker_process(tok):
+    # What the process runner does: ship the operator to a fresh interpreter,
+    # which rebuilds the tokenizer from its JSON on first use.
+    op = Tokenize(tok, special_tokens="eos")
+    recs = _texts(TEXTS)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        remote = pool.submit(op.process_many, recs).result(timeout=60)
+    assert remote == op.process_many(recs)
+
+
+def test_cloudpickle_round_trip(tok):
+    cloudpickle = pytest.importorskip("cloudpickle")
+    op = Tokenize(tok, special_tokens="eos")
+    recs = _texts(TEXTS)
+    back = cloudpickle.loads(cloudpickle.dumps(op))
+    assert back.process_many(recs) == op.process_many(recs)
+
+
+def test_config_is_json_and_tracks_the_tokenizer(tok, bare_tok):
+    cfg = Tokenize(tok, max_length=9).config()
+    assert json.loads(json.dumps(cfg)) == cfg
+    assert cfg["op"].endswith("Tokenize")
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["max_length"]) == (BOS, EOT, 9)
+    assert len(cfg["tokenizer_sha256"]) == 64
+    other = Tokenize(bare_tok, bos_token_id=1, eos_token_id=0, max_length=9).config()
+    assert other["tokenizer_sha256"] != cfg["tokenizer_sha256"]
+    assert Tokenize(tok, special_tokens="eos").config() != Tokenize(tok).config()
+
+
+# --------------------------------------------------------------------------- shared behaviour
+
+
+@pytest.mark.parametrize("kind", ["tokenize", "chat"])
+def test_tombstones_and_sentinels_pass_through_untouched(tok, kind):
+    op = Tokenize(tok) if kind == "tokenize" else TokenizeChat(tok)
+    dead = tombstone(_rec(0, {"text": "gone"}), "filter")
+    sentinel = _flush_sentinel()
+    out = op.process_many([dead, sentinel])
+    assert out[0] is dead and out[1] is sentinel
+
+
+@pytest.mark.parametrize("kind", ["tokenize", "chat"])
+def test_operator_basics(tok, kind):
+    op = Tokenize(tok) if kind == "tokenize" else TokenizeChat(tok)
+    assert op.name == ("tokenize" if kind == "tokenize" else "tokenize_chat")
+    assert op.default_microbatch_size == 64
+    acc = op.accumulator(deterministic=True, ctx=OpContext(microbatch_size=5))
+    assert isinstance(acc, CountingAccumulator)
+    assert acc.max_batch == 5 and acc.max_latency_ms is None
+    assert op.traits().preserves_cursor_order
+    op.setup(OpContext())
+    with pytest.raises(TypeError, match="before batch"):
+        op.process_many([SampleBatch([_rec(0, {"text": "a"})])])
+    assert op.process_many([]) == []
+
+
+# --------------------------------------------------------------------------- tokenize_chat
+
+
+CONVO = [
+    {"role": "system", "content": "You are kazo."},
+    {"role": "user", "content": "Hello world?"},
+    {"role": "assistant", "content": "The quick brown fox."},
+    {"role": "user", "content": "And the lane?"},
+    {"role": "assistant", "content": "Lane 42, shard 7!"},
+]
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of ones."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def _expected_default(tok, messages, *, eos=True, bos=True):
+    ids, mask = ([BOS], [0]) if bos else ([], [])
+    for m in messages:
+        is_asst = m["role"] == "assistant"
+        for text, flag in ((f"<|{m['role']}|>\n", 0), (m["content"], int(is_asst))):
+            part = _enc(tok, text)
+            ids += part
+            mask += [flag] * len(part)
+        if is_asst and eos:
+            ids.append(EOT)
+            mask.append(1)
+        part = _enc(tok, "\n")
+        ids += part
+        mask += [0] * len(part)
+    return ids, mask
+
+
+def test_chat_mask_is_one_exactly_on_assistant_tokens(tok):
+    rec = _rec(0, {"messages": CONVO, "id": "c1"})
+    (res,) = TokenizeChat(tok).process_many([rec])
+    ids, mask = res.payload["input_ids"], res.payload["loss_mask"]
+    assert ids.dtype == np.int32 and mask.dtype == np.uint8 and ids.shape == mask.shape
+    exp_ids, exp_mask = _expected_default(tok, CONVO)
+    assert ids.tolist() == exp_ids and mask.tolist() == exp_mask
+    # Decoding each supervised span gives back one assistant reply and its EOS.
+    spans = [tok.decode(ids[a:b].tolist(), skip_special_tokens=False) for a, b in _runs(mask)]
+    assert spans == [m["content"] + "<|endoftext|>" for m in CONVO if m["role"] == "assistant"]
+    unsupervised = tok.decode(ids[mask == 0].tolist(), skip_special_tokens=False)
+    assert unsupervised.startswith("<s><|system|>\nYou are kazo.\n<|user|>\nHello world?\n")
+    assert "quick" not in unsupervised and "Lane 42" not in unsupervised
+    assert res.meta is rec.meta and res.payload["id"] == "c1"
+    assert res.payload["messages"] is CONVO
+
+
+def test_chat_loss_on_last_turn_only(tok):
+    (res,) = TokenizeChat(tok, loss_on_last_turn_only=True).process_many([_rec(0, {
+        "messages": CONVO})])
+    ids, mask = res.payload["input_ids"], res.payload["loss_mask"]
+    assert ids.tolist() == _expected_default(tok, CONVO)[0]
+    (span,) = _runs(mask)
+    assert tok.decode(ids[span[0]:span[1]].tolist(), skip_special_tokens=False) == \
+        "Lane 42, shard 7!<|endoftext|>"
+
+
+def test_chat_special_token_modes(tok):
+    rec = _rec(0, {"messages": CONVO[1:3]})
+    for mode, bos, eos in (("eos", False, True), ("bos", True, False), ("none", False, False)):
+        (res,) = TokenizeChat(tok, special_tokens=mode).process_many([rec])
+        exp_ids, exp_mask = _expected_default(tok, CONVO[1:3], bos=bos, eos=eos)
+        assert res.payload["input_ids"].tolist() == exp_ids
+        assert res.payload["loss_mask"].tolist() == exp_mask
+
+
+def test_chat_empty_assistant_reply_supervises_its_eos_only(tok):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+    (res,) = TokenizeChat(tok).process_many([_rec(0, {"messages": messages})])
+    ids, mask = res.payload["input_ids"], res.payload["loss_mask"]
+    assert ids[mask == 1].tolist() == [EOT]
+
+
+def test_chat_without_assistant_turn_has_an_all_zero_mask(tok):
+    (res,) = TokenizeChat(tok).process_many([_rec(0, {"messages": CONVO[:2]})])
+    assert res.payload["loss_mask"].sum() == 0 and len(res.payload["input_ids"]) > 0
+
+
+def test_chat_string_template(tok):
+    template = "[{role}] {content} [/{role}]"
+    (res,) = TokenizeChat(tok, chat_template=template, special_tokens="eos").process_many(
+        [_rec(0, {"messages": CONVO[1:3]})])
+    expected = (_enc(tok, "[user] ") + _enc(tok, "Hello world?") + _enc(tok, " [/user]")
+                + _enc(tok, "[assistant] ") + _enc(tok, "The quick brown fox.") + [EOT]
+                + _enc(tok, " [/assistant]"))
+    assert res.payload["input_ids"].tolist() == expected
+    ids, mask = res.payload["input_ids"], res.payload["loss_mask"]
+    assert tok.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == \
+        "The quick brown fox.<|endoftext|>"
+    assert DEFAULT_CHAT_TEMPLATE == "<|{role}|>\n{content}\n"
+
+
+def _template(messages):
+    """Assistant turns split over two segments; EOS comes after the run."""
+    segs = []
+    for m in messages:
+        segs.append((f"{m['role']}: ", False))
+        if m["role"] == "assistant":
+            half = len(m["content"]) // 2
+            segs += [(m["content"][:half], True), (m["content"][half:], True)]
+        else:
+            segs.append((m["content"], False))
+        segs.append(("\n", False))
+    return segs
+
+
+def test_chat_callable_template_eos_after_each_assistant_run(tok):
+    (res,) = TokenizeChat(tok, chat_template=_template).process_many(
+        [_rec(0, {"messages": CONVO})])
+    ids, mask = res.payload["input_ids"], res.payload["loss_mask"]
+    replies = [m["content"] for m in CONVO if m["role"] == "assistant"]
+    spans = [tok.decode(ids[a:b].tolist(), skip_special_tokens=False) for a, b in _runs(mask)]
+    assert spans == [r + "<|endoftext|>" for r in replies]
+    assert ids[0] == BOS and mask[0] == 0
+    (res,) = TokenizeChat(tok, chat_template=_template, special_tokens="none").process_many(
+        [_rec(0, {"messages": CONVO})])
+    assert EOT not in res.payload["input_ids"].tolist()
+
+
+def test_chat_template_validation(tok):
+    with pytest.raises(ValueError, match="content"):
+        TokenizeChat(tok, chat_template="<|{role}|> no placeholder")
+    with pytest.raises(ValueError, match="content"):
+        TokenizeChat(tok, chat_template="{content}{content}")
+    with pytest.raises(TypeError, match="chat_template"):
+        TokenizeChat(tok, chat_template=3)
+    with pytest.raises(ValueError, match="assistant"):
+        TokenizeChat(tok, roles=("user", "bot"))
+    with pytest.raises(ValueError, match="differ"):
+        TokenizeChat(tok, mask_field="input_ids")
+    bad = TokenizeChat(tok, chat_template=lambda messages: ["just text"])
+    with pytest.raises(ValueError, match="is_assistant"):
+        bad.process_many([_rec(0, {"messages": CONVO})])
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [("not a list", "must be a list"),
+     ([{"role": "user", "content": "x"}, "oops"], "message 1 must be a dict"),
+     ([{"role": "robot", "content": "x"}], "role 'robot'"),
+     ([{"role": "assistant"}], "message 0 \\(assistant\\) needs a str 'content'"),
+     ([{"role": "user", "content": ["parts"]}], "needs a str 'content'")],
+)
+def test_chat_malformed_messages_raise_or_are_skipped(tok, messages, expected):
+    recs = [_rec(0, {"messages": CONVO}), _rec(1, {"messages": messages})]
+    with pytest.raises(ValueError, match=expected) as err:
+        TokenizeChat(tok).process_many(recs)
+    assert "(0, 3, 1)" in str(err.value)
+    out = TokenizeChat(tok, on_error="skip").process_many(recs)
+    assert out[1].meta.tags[TOMBSTONE_REASON_TAG] == "tokenize_chat_error"
+    assert out[0].payload["loss_mask"].sum() > 0
+
+
+def test_chat_missing_field_and_custom_roles(tok):
+    with pytest.raises(ValueError, match="has no field 'messages'"):
+        TokenizeChat(tok).process_many([_rec(0, {"text": "plain"})])
+    op = TokenizeChat(tok, roles=("developer", "user", "assistant"))
+    (res,) = op.process_many([_rec(0, {"messages": [{"role": "developer", "content": "x"}]})])
+    assert res.payload["loss_mask"].sum() == 0
+
+
+def test_chat_max_length_cuts_ids_and_mask_together(tok):
+    rec = _rec(0, {"messages": CONVO})
+    (full,) = TokenizeChat(tok).process_many([rec])
+    (cut,) = TokenizeChat(tok, max_length=10).process_many([rec])
+    assert cut.payload["input_ids"].tolist() == full.payload["input_ids"][:10].tolist()
+    assert cut.payload["loss_mask"].tolist() == full.payload["loss_mask"][:10].tolist()
+    with pytest.raises(ValueError, match="max_length"):
+        TokenizeChat(tok, max_length=0)
+
+
+def test_chat_micro_batch_boundaries_and_pickling(tok):
+    convos = [CONVO[: k + 1] for k in range(len(CONVO))] + [CONVO[2:], CONVO[:1]]
+    recs = [_rec(i, {"messages": c}) for i, c in enumerate(convos)]
+    op = TokenizeChat(tok, chat_template=_template)
+    whole = op.process_many(recs)
+    assert [o for r in recs for o in op.process_one(r)] == whole
+    assert op.process_many(recs[:3]) + op.process_many(recs[3:]) == whole
+    back = pickle.loads(pickle.dumps(op))
+    assert back._tok is None and back.process_many(recs) == whole
+    assert back.config() == op.config()
+
+
+def test_chat_config_tracks_the_template(tok):
+    cfg = TokenizeChat(tok).config()
+    assert json.loads(json.dumps(cfg)) == cfg
+    assert cfg["chat_template"] == DEFAULT_CHAT_TEMPLATE
+    with_fn = TokenizeChat(tok, chat_template=_template).config()
+    assert with_fn["chat_template"]["name"].endswith("._template")
+    assert TokenizeChat(tok, loss_on_last_turn_only=True).config() != cfg

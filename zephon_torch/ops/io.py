@@ -1,0 +1,239 @@
+"""Reading and decoding: the ``fetch`` and ``decode_text`` operators.
+
+A file source emits *pointer records*: the meta names the sample
+(``sample_id = (dataset_id, shard_id, local_id)``) and the payload is
+:data:`~zephon_torch.sources.base.POINTER`. The two operators here turn them
+into dict payloads on the workers, statelessly, one micro-batch at a time::
+
+    SampleRecord(meta, POINTER)
+      -- fetch -------->  SampleRecord(meta, b'{"text": "hi"}')   (raw bytes or dict)
+      -- decode_text -->  SampleRecord(meta, {"text": "hi"})      (or a tombstone)
+
+``fetch`` groups a micro-batch's pointers by ``(dataset, shard)`` and reads
+each group with a single ``Dataset.read`` call (which sorts and windows the
+reads), then puts the raw payloads back in input order. ``decode_text``
+reads the dataset's ``raw_format``: ``"json"`` lines are parsed and must be
+JSON objects holding a string ``field``; ``"text"`` files become
+``{field: text}``; ``"dict"`` payloads (Parquet rows, items) pass through.
+
+Nothing is dropped silently. A document whose text is empty or only
+whitespace becomes a tombstone tagged ``"empty"``; a bad line (invalid
+UTF-8, malformed JSON, not an object, missing or non-string field) is a
+``ValueError`` naming the file and line, or, when the source or the operator
+says ``on_error="skip"``, a tombstone tagged ``"decode_error"``.
+
+Both operators find datasets in ``ctx.plan["datasets"]`` (dataset id ->
+:class:`~zephon_torch.sources.base.Dataset`) during :meth:`setup`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal
+
+from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
+from zephon_torch.sources.base import Dataset, is_pointer
+from zephon_torch.types import SampleRecord
+
+__all__ = ["DecodeText", "Fetch"]
+
+OnError = Literal["raise", "skip"]
+
+
+def _datasets_of(ctx: OpContext, op: str) -> dict[int, Dataset]:
+    datasets = ctx.plan.get("datasets") if ctx.plan else None
+    if datasets is None:
+        raise ValueError(f"{op}: the plan has no 'datasets' (ctx.plan['datasets'] must map "
+                         "dataset ids to datasets); build the pipeline from a source such as "
+                         "Pipeline.from_jsonl")
+    if not isinstance(datasets, Mapping):
+        raise ValueError(f"{op}: ctx.plan['datasets'] must map dataset ids to datasets, "
+                         f"got {type(datasets).__name__}")
+    return dict(datasets)
+
+
+class Fetch(Operator):
+    """Reads the raw payloads of pointer records (``Pipeline.fetch()``).
+
+    Records that are not pointers (already fetched, inline items, stream
+    records, tombstones) pass through unchanged.
+    """
+
+    name: ClassVar[str] = "fetch"
+    default_microbatch_size: ClassVar[int] = 64
+
+    def __init__(self) -> None:
+        self._datasets: dict[int, Dataset] | None = None
+
+    def setup(self, ctx: OpContext) -> None:
+        """Take the plan's datasets (``ctx.plan["datasets"]``)."""
+        self._datasets = _datasets_of(ctx, "fetch")
+
+    def traits(self) -> OpTraits:
+        """Order-preserving, and the one operator that accepts pointers."""
+        return OpTraits(accepts_pointers=True)
+
+    def config(self) -> dict[str, Any]:
+        """No parameters beyond the operator's identity."""
+        return super().config()
+
+    def process_many(self, elems: Sequence[Element]) -> list[Element]:
+        """Replace each pointer payload with the sample's raw payload, in input order.
+
+        Raises:
+            ValueError: A pointer names a dataset the plan does not hold, or
+                :meth:`setup` was not called.
+        """
+        out = list(elems)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for position, elem in enumerate(out):
+            if type(elem) is SampleRecord and is_pointer(elem.payload):
+                dataset_id, shard_id, _ = elem.meta.sample_id
+                groups.setdefault((dataset_id, shard_id), []).append(position)
+        for (dataset_id, shard_id), positions in groups.items():
+            dataset = self._dataset(dataset_id)
+            local_ids = [out[p].meta.sample_id[2] for p in positions]
+            raws = dataset.read(shard_id, local_ids)
+            if len(raws) != len(positions):
+                raise RuntimeError(f"fetch: dataset {dataset.name!r} returned {len(raws)} "
+                                   f"payloads for {len(positions)} ids of shard {shard_id}")
+            for position, raw in zip(positions, raws):
+                out[position] = SampleRecord(out[position].meta, raw)
+        return out
+
+    def _dataset(self, dataset_id: int) -> Dataset:
+        if self._datasets is None:
+            raise ValueError("fetch: setup(ctx) was not called, so no dataset is known; "
+                             "the runner calls it with ctx.plan['datasets']")
+        dataset = self._datasets.get(dataset_id)
+        if dataset is None:
+            raise ValueError(f"fetch: no dataset with id {dataset_id} in the plan (known: "
+                             f"{sorted(self._datasets)})")
+        return dataset
+
+
+class _DecodeError(Exception):
+    """One bad sample (message without the location, added by the caller)."""
+
+
+class DecodeText(Operator):
+    """Turns raw payloads into dict payloads (``Pipeline.decode_text(field=...)``).
+
+    Args:
+        field: The key holding the document's text. JSON lines must hold a
+            string under it; text files are decoded to ``{field: text}`` (a
+            text dataset's own ``field`` is used while this stays ``"text"``).
+        on_error: ``"skip"`` turns bad samples into ``"decode_error"``
+            tombstones whatever the dataset says; ``"raise"`` (the default)
+            defers to the dataset's ``on_error``.
+
+    Raises:
+        ValueError: ``field`` is not a non-empty string or ``on_error`` is not
+            ``"raise"``/``"skip"``.
+    """
+
+    name: ClassVar[str] = "decode_text"
+    default_microbatch_size: ClassVar[int] = 128
+
+    def __init__(self, field: str = "text", on_error: OnError = "raise") -> None:
+        if not isinstance(field, str) or not field:
+            raise ValueError(f"decode_text: field must be a non-empty string such as 'text', "
+                             f"got {field!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"decode_text: on_error must be 'raise' or 'skip', "
+                             f"got {on_error!r}")
+        self.field = field
+        self.on_error: OnError = on_error
+        self._datasets: dict[int, Dataset] | None = None
+
+    def setup(self, ctx: OpContext) -> None:
+        """Take the plan's datasets (``ctx.plan["datasets"]``)."""
+        self._datasets = _datasets_of(ctx, "decode_text")
+
+    def config(self) -> dict[str, Any]:
+        """``field`` and ``on_error``."""
+        return {**super().config(), "field": self.field, "on_error": self.on_error}
+
+    def process_many(self, elems: Sequence[Element]) -> list[Element]:
+        """Decode each record's raw payload; see the module doc for the rules.
+
+        Raises:
+            ValueError: A pointer record (``fetch()`` must come first), or a bad
+                sample whose source has ``on_error="raise"``.
+        """
+        return [self._decode(elem) if type(elem) is SampleRecord else elem for elem in elems]
+
+    def _decode(self, record: SampleRecord) -> SampleRecord:
+        meta = record.meta
+        if meta.is_sentinel:
+            return record
+        payload = record.payload
+        if is_pointer(payload):
+            raise ValueError(f"decode_text received the unfetched pointer {meta.sample_id}; "
+                             "add .fetch() before .decode_text()")
+        dataset = self._lookup(meta.sample_id[0])
+        field = self.field
+        try:
+            if isinstance(payload, dict):
+                text = payload.get(field)
+                if isinstance(text, str) and (not text or text.isspace()):
+                    return tombstone(record, "empty")
+                return record
+            if isinstance(payload, (bytes, bytearray, memoryview, str)):
+                raw_format = "json" if dataset is None else dataset.raw_format
+                if raw_format == "text":
+                    if field == "text":
+                        field = getattr(dataset, "field", field)
+                    value = {field: _as_text(payload)}
+                elif raw_format == "json":
+                    value = self._parse_json(payload)
+                else:
+                    raise _DecodeError(f"got {type(payload).__name__} from a dataset whose "
+                                       f"raw_format is {raw_format!r}")
+                text = value[field]
+                if not text or text.isspace():
+                    return tombstone(record, "empty")
+                return SampleRecord(meta, value)
+            return record  # token arrays and other payloads are already decoded
+        except _DecodeError as exc:
+            if self.on_error == "skip" or (dataset is not None and dataset.on_error == "skip"):
+                return tombstone(record, "decode_error")
+            where = (f"{dataset.locate(meta.sample_id[1], meta.sample_id[2])}"
+                     if dataset is not None else "the input")
+            raise ValueError(f"decode_text: {exc} at {where} (sample {meta.sample_id}); fix "
+                             "the data, or pass on_error='skip' to the source or to "
+                             "decode_text() to turn such samples into counted tombstones"
+                             ) from exc.__cause__
+
+    def _parse_json(self, payload: bytes | bytearray | memoryview | str) -> dict[str, Any]:
+        try:
+            value = json.loads(_as_text(payload))
+        except json.JSONDecodeError as exc:
+            raise _DecodeError(f"malformed JSON ({exc})") from exc
+        if not isinstance(value, dict):
+            raise _DecodeError(f"the JSON line is a {type(value).__name__}, not an object")
+        if self.field not in value:
+            keys = ", ".join(map(repr, list(value)[:8])) or "none"
+            raise _DecodeError(f"the JSON object has no {self.field!r} field (keys: {keys}); "
+                               "pass decode_text(field=...) to read another key")
+        if not isinstance(value[self.field], str):
+            raise _DecodeError(f"field {self.field!r} is a "
+                               f"{type(value[self.field]).__name__}, not a string")
+        return value
+
+    def _lookup(self, dataset_id: int) -> Dataset | None:
+        # Without a plan (a standalone op, dict payloads only) there is no dataset.
+        if self._datasets is None:
+            return None
+        return self._datasets.get(dataset_id)
+
+
+def _as_text(payload: bytes | bytearray | memoryview | str) -> str:
+    if isinstance(payload, str):
+        return payload
+    try:
+        text = bytes(payload).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _DecodeError(f"invalid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    return text[1:] if text.startswith("\ufeff") else text  # a byte-order mark is no text

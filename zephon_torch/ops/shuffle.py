@@ -1,0 +1,341 @@
+"""``shuffle``: per-lane shuffles whose randomness comes from the data itself.
+
+An RNG advanced once per call would tie the order to micro-batch boundaries,
+and those move on a restart (replay starts at a different point). Every
+random choice here is instead a hash of an element's cursor key with the
+seed, so the same elements in the same lane come out in the same order however
+the stream was cut into ``push_many`` calls and on whichever restart they
+arrive. Each element gets a 64-bit *salt*::
+
+    salt(e) = seed_key(DOMAIN, seed, chunk_id, chunk_offset, len(lineage), *lineage, *sample_id)
+
+(:func:`~zephon_torch.sources.permute.seed_key`, the splitmix64 fold; the
+lineage length keeps keys of different depths apart). Three algorithms use it:
+
+``"streaming"`` (default): a reservoir per lane. Until the lane holds
+``buffer_size`` elements, arrivals are kept. After that each arrival evicts the
+element at slot ``j = hash(salt(arrival), lane, n, buffer_size) mod buffer_size``,
+where ``n`` counts the lane's evictions since its last flush, and takes its
+place. A flush drains the reservoir sorted by salt. With ``buffer_size=2``
+(slot numbers are whatever the hash gives; these are for illustration)::
+
+    step  arrival  reservoir before  slot j  emitted  reservoir after
+    1     a        []                -       -        [a]
+    2     b        [a]               -       -        [a, b]
+    3     c        [a, b]            1       b        [a, c]
+    4     d        [a, c]            0       a        [d, c]
+    flush          [d, c]                    c, d     []      (salt(c) < salt(d))
+
+``"block"``: a plain :class:`~zephon_torch.ops.accumulators.CountingAccumulator`
+cuts each lane into blocks of ``buffer_size``; the workers sort each block by
+``(salt, cursor key)``, so a block's order is a pure function of its set of
+elements.
+
+``"block_warmup"``: like ``"block"``, but a lane's blocks start small and
+double (``64, 128, ... buffer_size`` for the default size) so the first
+outputs arrive quickly; the schedule restarts after every flush of the lane.
+
+All state is per lane: a flush sentinel of one lane drains and resets that
+lane alone, and other lanes never see its elements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from zephon_torch.ops.accumulators import Accumulator, CountingAccumulator, lane_of
+from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
+from zephon_torch.sources.permute import seed_key
+from zephon_torch.types import CursorKey, SampleBatch
+
+__all__ = [
+    "SHUFFLE_ALGORITHMS",
+    "ReservoirShuffleAccumulator",
+    "Shuffle",
+    "WarmupBlockAccumulator",
+    "order_by_salt",
+    "salt_of",
+    "shuffle_prefix",
+]
+
+#: The accepted values of ``Shuffle(algorithm=...)``.
+SHUFFLE_ALGORITHMS = ("streaming", "block", "block_warmup")
+
+# Keeps shuffle hashes apart from other users of seed_key with the same seed
+# (the sources fold (seed, pass, dataset, ...)): "shuffle" in ASCII.
+_DOMAIN = 0x73687566666C65
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+# Smallest first block of "block_warmup": small enough for a quick first
+# output, large enough that it is still a real shuffle.
+_WARMUP_START = 64
+
+
+def _mix(x: int) -> int:
+    # The scalar twin of permute.mix64 in plain integers: the numpy version
+    # costs ~3 us per call on 0-d arrays, and the reservoir hashes every
+    # arrival. The tests pin that both agree bit for bit.
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * _M1) & _MASK64
+    x = ((x ^ (x >> 27)) * _M2) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _fold(acc: int, parts: Iterable[int]) -> int:
+    # Continues seed_key's fold: seed_key(*a, *b) == _fold(seed_key(*a), b).
+    for part in parts:
+        acc = _mix(acc ^ (int(part) & _MASK64))
+    return acc
+
+
+def _cursor_key(elem: Element) -> CursorKey:
+    if isinstance(elem, SampleBatch):
+        # A batch is named by its first record (records are unique, so are
+        # the first records of distinct batches).
+        if not elem.records:
+            raise ValueError("shuffle cannot order an empty SampleBatch")
+        return elem.records[0].meta.as_cursor_key()
+    return elem.meta.as_cursor_key()
+
+
+def shuffle_prefix(seed: int) -> int:
+    """The fold state every salt of ``seed`` starts from (``seed_key(DOMAIN, seed)``)."""
+    return seed_key(_DOMAIN, seed)
+
+
+def salt_of(prefix: int, elem: Element) -> int:
+    """The 64-bit salt of an element: its cursor key hashed onto ``prefix``.
+
+    Args:
+        prefix: :func:`shuffle_prefix` of the seed.
+        elem: A record (or a batch, named by its first record).
+
+    Returns:
+        ``seed_key(DOMAIN, seed, chunk_id, chunk_offset, len(lineage),
+        *lineage, *sample_id)`` as a Python int.
+    """
+    chunk_id, chunk_offset, lineage, sample_id = _cursor_key(elem)
+    return _fold(prefix, (chunk_id, chunk_offset, len(lineage), *lineage, *sample_id))
+
+
+def order_by_salt(elems: Sequence[Element], prefix: int) -> list[Element]:
+    """Sort elements by ``(salt, cursor key)``: a permutation fixed by the set alone.
+
+    The cursor key only breaks (astronomically unlikely) salt collisions.
+    """
+    keyed = [(salt_of(prefix, e), _cursor_key(e), i) for i, e in enumerate(elems)]
+    keyed.sort()
+    return [elems[i] for _, _, i in keyed]
+
+
+class _Reservoir:
+    """One lane's reservoir: elements, their salts, and the eviction count."""
+
+    __slots__ = ("evictions", "items", "salts")
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.salts: list[int] = []
+        self.evictions = 0
+
+
+class ReservoirShuffleAccumulator(Accumulator):
+    """The accumulator of ``shuffle(algorithm="streaming")``: a reservoir per lane.
+
+    Args:
+        buffer_size: Elements held per lane before arrivals start evicting.
+        seed: The shuffle seed.
+
+    ``push_many`` returns, per lane that evicted anything during the call,
+    one micro-batch of that lane's evicted elements in eviction order. A
+    flush (any form) drains the flushed lanes sorted by salt and forgets
+    their state, so a flushed lane is exactly a fresh one.
+    """
+
+    def __init__(self, buffer_size: int, *, seed: int = 0) -> None:
+        _check_buffer_size(buffer_size)
+        self.buffer_size = buffer_size
+        self.seed = seed
+        self._prefix = shuffle_prefix(seed)
+        self._lanes: dict[int, _Reservoir] = {}
+
+    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
+        out: dict[int, list[Any]] = {}
+        size = self.buffer_size
+        prefix = self._prefix
+        lanes = self._lanes
+        for elem in elems:
+            lane = lane_of(elem)
+            res = lanes.get(lane)
+            if res is None:
+                res = lanes[lane] = _Reservoir()
+            salt = salt_of(prefix, elem)
+            if len(res.items) < size:
+                res.items.append(elem)
+                res.salts.append(salt)
+                continue
+            # Multiply-shift maps the 64-bit hash onto [0, size) without the
+            # bias of a modulo.
+            slot = (_fold(salt, (lane, res.evictions, size)) * size) >> 64
+            out.setdefault(lane, []).append(res.items[slot])
+            res.items[slot] = elem
+            res.salts[slot] = salt
+            res.evictions += 1
+        return list(out.values())
+
+    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
+        lanes = sorted(self._lanes) if lane_id is None else [lane_id]
+        out = []
+        for lane in lanes:
+            res = self._lanes.pop(lane, None)
+            if res is None or not res.items:
+                continue
+            keyed = sorted(
+                (salt, _cursor_key(item), i)
+                for i, (salt, item) in enumerate(zip(res.salts, res.items))
+            )
+            out.append([res.items[i] for _, _, i in keyed])
+        return out
+
+    def has_pending_data(self, lane_id: int | None = None) -> bool:
+        if lane_id is None:
+            return any(res.items for res in self._lanes.values())
+        res = self._lanes.get(lane_id)
+        return res is not None and bool(res.items)
+
+
+class WarmupBlockAccumulator(Accumulator):
+    """The accumulator of ``shuffle(algorithm="block_warmup")``: growing blocks per lane.
+
+    A lane's ``k``-th block (counted from its last flush) holds
+    ``min(buffer_size, first_block * 2**k)`` elements; the workers shuffle
+    each block (see :func:`order_by_salt`).
+
+    Args:
+        buffer_size: Size of the full blocks.
+        first_block: Size of a lane's first block; by default
+            ``min(64, buffer_size // 16)``, at least 1.
+    """
+
+    def __init__(self, buffer_size: int, *, first_block: int | None = None) -> None:
+        _check_buffer_size(buffer_size)
+        if first_block is None:
+            first_block = max(1, min(_WARMUP_START, buffer_size // 16))
+        if not isinstance(first_block, int) or isinstance(first_block, bool) or first_block < 1:
+            raise ValueError(f"first_block must be a positive integer, got {first_block!r}")
+        self.buffer_size = buffer_size
+        self.first_block = min(first_block, buffer_size)
+        self._buffers: dict[int, list[Any]] = {}
+        self._blocks: dict[int, int] = {}
+
+    def block_size(self, index: int) -> int:
+        """Size of a lane's ``index``-th block since its last flush."""
+        if index >= self.buffer_size.bit_length():
+            return self.buffer_size  # doubling has long since reached the cap
+        return min(self.buffer_size, self.first_block << index)
+
+    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
+        ready = []
+        for elem in elems:
+            lane = lane_of(elem)
+            buf = self._buffers.get(lane)
+            if buf is None:
+                buf = self._buffers[lane] = []
+            buf.append(elem)
+            index = self._blocks.get(lane, 0)
+            if len(buf) >= self.block_size(index):
+                ready.append(buf)
+                self._buffers[lane] = []
+                self._blocks[lane] = index + 1
+        return ready
+
+    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
+        lanes = sorted(set(self._buffers) | set(self._blocks)) if lane_id is None else [lane_id]
+        out = []
+        for lane in lanes:
+            buf = self._buffers.pop(lane, None)
+            self._blocks.pop(lane, None)
+            if buf:
+                out.append(buf)
+        return out
+
+    def has_pending_data(self, lane_id: int | None = None) -> bool:
+        if lane_id is None:
+            return any(self._buffers.values())
+        return bool(self._buffers.get(lane_id))
+
+
+class Shuffle(Operator):
+    """Shuffle each lane with randomness derived from cursor keys and the seed.
+
+    Args:
+        buffer_size: Reservoir size (``"streaming"``) or block size
+            (``"block"``, ``"block_warmup"``). Larger mixes further and holds
+            more in memory per lane. It defines the output, so it is a
+            parameter and not a micro-batch knob.
+        seed: Shuffle seed; different seeds give different orders. It is the
+            operator's own: the pipeline seed does not enter the shuffle.
+        algorithm: ``"streaming"``, ``"block"`` or ``"block_warmup"`` (see the
+            module docstring).
+
+    Raises:
+        ValueError: ``buffer_size`` is not a positive integer, ``seed`` is not
+            an integer, or ``algorithm`` is unknown.
+    """
+
+    name = "shuffle"
+
+    def __init__(self, buffer_size: int = 8192, *, seed: int = 0,
+                 algorithm: str = "streaming") -> None:
+        _check_buffer_size(buffer_size)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"shuffle seed must be an integer, got {seed!r}")
+        if algorithm not in SHUFFLE_ALGORITHMS:
+            raise ValueError(
+                f"unknown shuffle algorithm {algorithm!r}; choose one of "
+                + ", ".join(repr(a) for a in SHUFFLE_ALGORITHMS)
+            )
+        self.buffer_size = buffer_size
+        self.seed = seed
+        self.algorithm = algorithm
+        self._prefix = shuffle_prefix(seed)
+
+    def accumulator(self, *, deterministic: bool, ctx: OpContext) -> Accumulator:
+        """Return the algorithm's accumulator.
+
+        ``ctx.microbatch_size`` is ignored: the buffer size defines the output.
+        No accumulator here has a latency bound, whatever ``deterministic``.
+        """
+        if self.algorithm == "streaming":
+            return ReservoirShuffleAccumulator(self.buffer_size, seed=self.seed)
+        if self.algorithm == "block":
+            return CountingAccumulator(self.buffer_size)
+        return WarmupBlockAccumulator(self.buffer_size)
+
+    def process_many(self, elems: Sequence[Element]) -> list[Element]:
+        """Shuffle one block (block algorithms); pass through for ``"streaming"``."""
+        if self.algorithm == "streaming":
+            return list(elems)
+        return order_by_salt(elems, self._prefix)
+
+    def traits(self) -> OpTraits:
+        """Shuffling reorders, so plans with it use flush sentinels.
+
+        The streaming reservoir does all its work in the accumulator, so its
+        passthrough ``process_many`` runs on the driver thread; the block
+        algorithms sort on the workers.
+        """
+        return OpTraits(preserves_cursor_order=False, inline=self.algorithm == "streaming")
+
+    def config(self) -> dict[str, Any]:
+        """The parameters that define the output."""
+        return {**super().config(), "buffer_size": self.buffer_size, "seed": self.seed,
+                "algorithm": self.algorithm}
+
+
+def _check_buffer_size(buffer_size: Any) -> None:
+    if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
+        raise ValueError(f"shuffle buffer_size must be a positive integer, got {buffer_size!r}")

@@ -5,6 +5,8 @@ standard library only; torch, torchdata, Lightning and Ray are imported by the
 integration modules that need them, when they are used.
 """
 
+from zephon_torch import sources
+from zephon_torch.pipeline import Pipeline
 from zephon_torch.types import (
     ContributorRef,
     SampleBatch,
@@ -15,11 +17,13 @@ from zephon_torch.types import (
 
 __all__ = [
     "ContributorRef",
+    "Pipeline",
     "SampleBatch",
     "SampleCursor",
     "SampleMeta",
     "SampleRecord",
     "__version__",
+    "sources",
 ]
 
 __version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Runners: worker pools, the engine that drives stages, and the consumer iterator."""

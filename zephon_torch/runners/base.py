@@ -1,0 +1,96 @@
+"""Worker pools: where ``process_many`` runs.
+
+A pool takes ``(stage_index, micro_batch)`` jobs and returns a
+``concurrent.futures.Future`` per job. The engine numbers jobs per stage and
+its reorder buffer releases results in job order, so a pool may finish jobs
+in any order. Three pools live here:
+
+* :class:`InlinePool` runs the job at once on the calling thread;
+* :class:`ThreadPool` gives each stage a thread pool of its own;
+* the process pool (``process.py``) runs jobs in worker processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Sequence
+from typing import Any
+
+from zephon_torch.ops.base import OpContext, Operator
+
+__all__ = ["InlinePool", "Pool", "ThreadPool", "completed"]
+
+
+def completed(value: Any = None, error: BaseException | None = None) -> cf.Future:
+    """A future that is already done (the inline pool's answer)."""
+    fut: cf.Future = cf.Future()
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+    return fut
+
+
+class Pool:
+    """Interface of a worker pool.
+
+    Attributes:
+        remote_payloads: True if results may hold lazy payload handles that
+            :meth:`resolve` must turn into real payloads before a local
+            consumer reads them.
+    """
+
+    remote_payloads: bool = False
+
+    def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
+        """Run ``ops[stage_index].process_many(elems)``; return its future."""
+        raise NotImplementedError
+
+    def resolve(self, elems: list[Any]) -> list[Any]:
+        """Make every payload in ``elems`` a real, local object (identity here)."""
+        return elems
+
+    def close(self) -> None:
+        """Release every worker and resource; idempotent."""
+
+
+class InlinePool(Pool):
+    """Runs ``process_many`` immediately on the calling thread."""
+
+    def __init__(self, ops: Sequence[Operator], ctxs: Sequence[OpContext]) -> None:
+        self.ops = list(ops)
+        for op, ctx in zip(self.ops, ctxs):
+            op.setup(ctx)
+
+    def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
+        try:
+            return completed(self.ops[stage_index].process_many(elems))
+        except BaseException as exc:  # re-raised by the engine, in order
+            return completed(error=exc)
+
+    def run(self, stage_index: int, elems: list[Any]) -> list[Any]:
+        """Run a job and return its result directly (no future)."""
+        return self.ops[stage_index].process_many(elems)
+
+
+class ThreadPool(Pool):
+    """A thread pool per stage; ``setup`` runs once (operators are shared by threads)."""
+
+    def __init__(self, ops: Sequence[Operator], ctxs: Sequence[OpContext],
+                 num_workers: int) -> None:
+        self.ops = list(ops)
+        for op, ctx in zip(self.ops, ctxs):
+            op.setup(ctx)
+        self._executors = [
+            cf.ThreadPoolExecutor(max_workers=num_workers,
+                                  thread_name_prefix=f"zephon-{ctx.stage_name}")
+            for ctx in ctxs
+        ]
+
+    def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
+        return self._executors[stage_index].submit(self.ops[stage_index].process_many, elems)
+
+    def close(self) -> None:
+        for executor in self._executors:
+            executor.shutdown(wait=True, cancel_futures=True)
+        self._executors = []

@@ -1,0 +1,361 @@
+"""The consumer side: the iterator ``Pipeline.iter()`` returns.
+
+It builds everything a run needs (the lanes this rank owns, the source
+emitter, the compiled stages with their accumulators, the worker pool, the
+engine) and hands out data in a fixed order: the rank's lanes round-robin in
+ascending lane order, a lane that has ended being skipped. Each lane's output
+depends only on the lane's input, so that order, and every byte, is the same
+whatever the runner, the worker count or the micro-batch sizes.
+
+Control records never reach the caller: tombstones and flush sentinels are
+counted here (every input sample is either delivered inside some output or
+closed by a tombstone) and dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import sys
+import warnings
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, OpContext
+from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
+from zephon_torch.runners.engine import Engine, Stage
+from zephon_torch.sources.emitter import SourceEmitter
+from zephon_torch.sources.schedule import Chunk, WorkSchedule
+from zephon_torch.types import FLUSH_SENTINEL_TAG, TOMBSTONE_TAG, SampleBatch, SampleRecord
+
+if TYPE_CHECKING:
+    from zephon_torch.pipeline import Pipeline
+
+__all__ = ["PipelineIterator", "resolve_topology"]
+
+_RUNNERS = ("inline", "threads", "process")
+_TOKEN_PRODUCERS = frozenset({"tokenize", "tokenize_chat", "pack_flat", "pack_sequences"})
+
+
+def resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank and world size: explicit, else ``torch.distributed``, else the environment.
+
+    ``torch.distributed`` is consulted only if torch is already imported (a
+    job that initialised a process group has imported it), so the core never
+    imports torch itself.
+    """
+    if rank is not None and world_size is not None:
+        return int(rank), int(world_size)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        dist = getattr(torch, "distributed", None)
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return (dist.get_rank() if rank is None else int(rank),
+                    dist.get_world_size() if world_size is None else int(world_size))
+    env_rank = os.environ.get("RANK")
+    env_world = os.environ.get("WORLD_SIZE")
+    return (int(env_rank) if rank is None and env_rank is not None else int(rank or 0),
+            int(env_world) if world_size is None and env_world is not None
+            else int(world_size or 1))
+
+
+def owned_lanes(num_lanes: int, rank: int, world_size: int,
+                lanes: Sequence[int] | None = None) -> list[int]:
+    """The lanes of ``rank``: ``l % world_size == rank`` (or an explicit subset)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if world_size > num_lanes:
+        raise ValueError(
+            f"world_size {world_size} exceeds num_lanes {num_lanes}: every rank needs at "
+            f"least one lane; build the pipeline with num_lanes >= {world_size} (num_lanes is "
+            "fixed for the life of a training run and bounds how far it can scale)"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
+    if lanes is not None:
+        chosen = sorted(set(int(lane) for lane in lanes))
+        bad = [lane for lane in chosen if not 0 <= lane < num_lanes]
+        if bad or not chosen:
+            raise ValueError(f"lanes={list(lanes)} must be a nonempty subset of 0..{num_lanes - 1}")
+        return chosen
+    return [lane for lane in range(num_lanes) if lane % world_size == rank]
+
+
+class PipelineIterator:
+    """Iterates a pipeline's output for one rank (see the module doc).
+
+    Args:
+        pipeline: The pipeline.
+        runner: ``"inline"``, ``"threads"`` (default) or ``"process"``.
+        num_workers: Workers per pool (default: up to 4, the CPU count).
+        deterministic: Release results in sequence order (the default);
+            False allows completion order and latency-bound flushes.
+        rank, world_size: The topology (default: ``torch.distributed``, then
+            ``RANK``/``WORLD_SIZE``, then 0 and 1).
+        microbatch_sizes: ``{stage_name: size}`` performance overrides.
+        lanes: An explicit subset of lanes (tools and tests).
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        runner: str = "threads",
+        num_workers: int | None = None,
+        deterministic: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+        microbatch_sizes: Mapping[str, int] | None = None,
+        lanes: Sequence[int] | None = None,
+    ) -> None:
+        if runner not in _RUNNERS:
+            raise ValueError(f"unknown runner {runner!r}; use one of {list(_RUNNERS)}")
+        if num_workers is None:
+            num_workers = max(1, min(4, os.cpu_count() or 1))
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
+        if runner == "process" and multiprocessing.current_process().daemon:
+            warnings.warn(
+                "runner='process' inside a daemonic process (a torch DataLoader worker) cannot "
+                "start worker processes; falling back to runner='inline'",
+                RuntimeWarning, stacklevel=3,
+            )
+            runner = "inline"
+        self.pipeline = pipeline
+        self.runner = runner
+        self.num_workers = num_workers
+        self.deterministic = deterministic
+        src = pipeline.source
+        self.rank, self.world_size = resolve_topology(rank, world_size)
+        self.lanes = owned_lanes(src.num_lanes, self.rank, self.world_size, lanes)
+        self._closed = False
+        self._pool: Pool | None = None
+
+        self.schedule = WorkSchedule(
+            src.datasets, chunk_size=src.chunk_size, num_lanes=src.num_lanes, seed=src.seed,
+            passes=src.passes, shuffle=src.shuffle, weights=src.weights,
+            exhausted=src.exhausted,
+        )
+        compiled = pipeline.compile(microbatch_sizes)
+        self.stage_names = [c.name for c in compiled]
+        ctxs = self._contexts(compiled)
+        ops = [c.op for c in compiled]
+        self._pool = self._make_pool(ops, ctxs)
+        self.stages = self._make_stages(compiled, ctxs)
+        self.flush_every = pipeline.flush_every()
+        self.emitter = SourceEmitter(
+            self.schedule, src.datasets, lanes=self.lanes, flush_every=self.flush_every,
+            on_chunk=self._on_chunk,
+        )
+        self.engine = Engine(self.emitter, self.stages, deterministic=deterministic,
+                             max_in_flight=2 * num_workers + 2)
+        self._queues: dict[int, deque[Any]] = {lane: deque() for lane in self.lanes}
+        self._rr = 0
+        self._ended: set[int] = set()
+        self._stats = _Stats(self.lanes)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _contexts(self, compiled: list[Any]) -> list[OpContext]:
+        src = self.pipeline.source
+        weights: dict[int, float] = {}
+        for dataset, w in zip(src.datasets, self.schedule.weights):
+            weights[dataset.component_id] = weights.get(dataset.component_id, 0.0) + w
+        datasets = dict(enumerate(src.datasets))
+        ctxs = []
+        has_tokens = False
+        for i, c in enumerate(compiled):
+            plan = {"datasets": datasets, "num_components": len(weights),
+                    "has_tokens": has_tokens}
+            ctxs.append(OpContext(
+                num_lanes=src.num_lanes, lanes=tuple(self.lanes), rank=self.rank,
+                world_size=self.world_size, seed=src.seed, stage_index=i,
+                stage_name=c.name, microbatch_size=c.microbatch_size,
+                component_weights=weights if len(weights) > 1 else None, plan=plan,
+            ))
+            # Stages after one of these see token arrays (mixtures weigh by tokens).
+            has_tokens = has_tokens or c.op.name in _TOKEN_PRODUCERS
+        return ctxs
+
+    def _make_pool(self, ops: list[Any], ctxs: list[OpContext]) -> Pool:
+        if self.runner == "inline":
+            return InlinePool(ops, ctxs)
+        if self.runner == "threads":
+            return ThreadPool(ops, ctxs, self.num_workers)
+        from zephon_torch.runners.process import ProcessPool
+
+        pool = ProcessPool(ops, ctxs, self.num_workers)
+        for op, ctx in zip(ops, ctxs):
+            if op.traits().inline:  # run on this thread: set up here too
+                op.setup(ctx)
+        return pool
+
+    def _make_stages(self, compiled: list[Any], ctxs: list[OpContext]) -> list[Stage]:
+        from zephon_torch.ops.batch import Batch
+
+        stages = []
+        lazy = False  # whether payloads arriving at the next stage may be lazy handles
+        for i, (c, ctx) in enumerate(zip(compiled, ctxs)):
+            acc = c.op.accumulator(deterministic=self.deterministic, ctx=ctx)
+            local = c.local or self.runner == "inline"
+            # Only batch(drop_last=True) may stall a sentinel: decided from the instance.
+            stalls = isinstance(c.op, Batch) and bool(c.op.drop_last)
+            stages.append(Stage(
+                i, c.name, c.op, acc, self._pool, local=local, stalls=stalls,
+                resolve_input=lazy and (local or acc.reads_payload),
+            ))
+            lazy = self._pool.remote_payloads and (not local or (lazy and not acc.reads_payload))
+        return stages
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> PipelineIterator:
+        return self
+
+    def __next__(self) -> SampleRecord | SampleBatch:
+        lanes = self.lanes
+        lane = lanes[self._rr]
+        queue = self._queues[lane]
+        if queue:  # the common case, kept short
+            self._rr = (self._rr + 1) % len(lanes)
+            item = queue.popleft()
+            self._stats.delivered(lane, item)
+            return item
+        if self._closed:
+            raise StopIteration
+        queues = self._queues
+        while True:
+            if len(self._ended) == len(lanes):
+                self.close()  # release the workers now, not at garbage collection
+                raise StopIteration
+            lane = lanes[self._rr]
+            queue = queues[lane]
+            if queue:
+                self._rr = (self._rr + 1) % len(lanes)
+                item = queue.popleft()
+                self._stats.delivered(lane, item)
+                return item
+            if lane in self._ended:
+                self._rr = (self._rr + 1) % len(lanes)
+                continue
+            if not self._pump():
+                for other in lanes:
+                    if not queues[other]:
+                        self._ended.add(other)
+
+    def _pump(self) -> bool:
+        try:
+            alive = self.engine.pump()
+        except BaseException:
+            self.close()
+            raise
+        outputs = self.engine.outputs
+        queues = self._queues
+        while outputs:
+            items = outputs.popleft()
+            first = items[0]
+            lane = first.meta.lane_id if type(first) is SampleRecord else first.lane_ids[0]
+            if all(type(e) is SampleRecord and not e.meta.tags and e.meta.lane_id == lane
+                   for e in items):  # plain records of one lane: move them at once
+                queues[lane].extend(items)
+                continue
+            for elem in items:
+                self._route(elem)
+        return alive
+
+    def _route(self, elem: Any) -> None:
+        if type(elem) is SampleRecord:
+            lane = elem.meta.lane_id
+            tags = elem.meta.tags
+            if tags and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_SENTINEL_TAG)):
+                self._stats.control(lane, elem)
+                return
+        else:
+            lane = elem.lane_ids[0]
+        self._queues[lane].append(elem)
+
+    def _on_chunk(self, chunk: Chunk) -> None:
+        self._stats.read(chunk.lane_id, len(chunk))
+
+    # ------------------------------------------------------------------ reporting
+
+    def stats(self) -> dict[str, Any]:
+        """Per-lane accounting (samples read, delivered, tombstoned by reason) and,
+        per stage, micro-batches dispatched and sentinels seen or stalled."""
+        report = self._stats.report()
+        report["stages"] = {stage.name: dict(stage.counters) for stage in self.stages}
+        return report
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Stop the engine and release every worker; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> PipelineIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter shutdown, nothing to do
+            self.close()
+
+
+class _Stats:
+    """Counters per lane; a base sample counts when a contribution closes it."""
+
+    def __init__(self, lanes: Sequence[int]) -> None:
+        self.lanes = list(lanes)
+        self._read = dict.fromkeys(lanes, 0)
+        self._delivered = dict.fromkeys(lanes, 0)
+        self._tombstoned: dict[int, dict[str, int]] = {lane: {} for lane in lanes}
+
+    def read(self, lane: int, count: int) -> None:
+        self._read[lane] += count
+
+    def delivered(self, lane: int, item: Any) -> None:
+        if type(item) is SampleRecord:
+            self._delivered[lane] += 1 if not item.meta.tags else _closes(item)
+        else:
+            self._delivered[lane] += sum(_closes(r) for r in item.records)
+
+    def control(self, lane: int, record: SampleRecord) -> None:
+        if record.meta.tags.get(TOMBSTONE_TAG):
+            reason = record.meta.tags.get(TOMBSTONE_REASON_TAG, "unknown")
+            per_lane = self._tombstoned[lane]
+            per_lane[reason] = per_lane.get(reason, 0) + _closes(record)
+
+    def report(self) -> dict[str, Any]:
+        lanes = {
+            lane: {
+                "read": self._read[lane],
+                "delivered": self._delivered[lane],
+                "tombstoned": dict(self._tombstoned[lane]),
+            }
+            for lane in self.lanes
+        }
+        return {
+            "lanes": lanes,
+            "read": sum(v["read"] for v in lanes.values()),
+            "delivered": sum(v["delivered"] for v in lanes.values()),
+            "tombstoned": sum(sum(v["tombstoned"].values()) for v in lanes.values()),
+        }
+
+
+def _closes(record: SampleRecord) -> int:
+    """How many base samples this record closes (last-child contributions)."""
+    tags = record.meta.tags
+    if not tags or "_contributors" not in tags:
+        return 1
+    return sum(1 for ref in record.meta.contribution_refs() if ref.is_last_child)

@@ -1,8 +1,8 @@
 """Packed rows -> ``to_training`` -> a few optimizer steps of a tiny causal LM.
 
-The rows come from the demo's packer (byte-level ids, EOS after each
-document, positions restarting per document, trailing padding recorded in
-the meta). The model is a one-layer transformer whose attention mask is
+The rows come from the demo pipeline (``zephon_torch.demo``: tokenize with
+EOS, ``pack_flat`` with positions restarting per document, shuffle, batch).
+The model is a one-layer transformer whose attention mask is
 built from ``cu_seqlens``, so a token never attends across documents, and
 whose loss ignores padding through the labels' ``ignore_index``.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zephon_torch.demo import DEFAULT_CORPUS, EOS, pack_demo_rows
+from zephon_torch.demo import demo_pipeline
 
 
 def document_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
@@ -30,7 +30,7 @@ def document_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
 class TinyLM(nn.Module):
     """Embedding, one self-attention block, output head."""
 
-    def __init__(self, vocab: int = 260, width: int = 64, max_len: int = 512) -> None:
+    def __init__(self, vocab: int = 512, width: int = 64, max_len: int = 512) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Embedding(max_len, width)
@@ -47,10 +47,10 @@ class TinyLM(nn.Module):
 
 def main() -> None:
     torch.manual_seed(0)
-    batch = pack_demo_rows(DEFAULT_CORPUS, row_length=97)
+    batch = next(iter(demo_pipeline(row_length=97).iter(runner="inline")))
     data = batch.to_training(return_labels=True, return_cu_seqlens=True,
                              return_num_valid_tokens=True, eos_mask_loss=True,
-                             eos_token_id=EOS)
+                             eos_token_id=0)  # the demo tokenizer's EOS
     allowed = document_mask(data["cu_seqlens"], data["input_ids"].shape[1])
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -1,97 +1,100 @@
 """The demo behind the README's first command: ``python -m zephon_torch.demo``.
 
-It packs a small built-in corpus into fixed-length rows the way ``pack_flat``
-does (byte-level token ids, an EOS after every document, positions restarting
-at each document, trailing padding recorded in the meta) and prints what
-``SampleBatch.to_training`` hands a model.
+It runs the canonical pipeline on a small built-in corpus: generated
+documents of heavy-tailed lengths, a byte-level BPE tokenizer trained on the
+spot (nothing is downloaded), then tokenize with EOS -> pack into flat rows
+with per-document positions -> shuffle -> batch -> ``to_training``. It
+prints the first batch's tensors, the accounting, and shows that the
+runner and worker count do not change a byte.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+from typing import Any
 
-import numpy as np
+from zephon_torch.pipeline import Pipeline
 
-from zephon_torch.types import (
-    PACKING_METADATA_TAG,
-    ContributorRef,
-    SampleBatch,
-    SampleMeta,
-    SampleRecord,
-)
-
-DEFAULT_CORPUS = (
-    "Data flows in lanes.",
-    "Every stateful decision lives in a per-lane accumulator.",
-    "Flush sentinels make replay exact.",
-    "Same bytes, any number of workers.",
-    "Resume exactly after a crash.",
-)
-PAD, EOS, BYTE_OFFSET = 0, 1, 2
+EOS = "<|endoftext|>"
+_WORDS = (
+    "data flows in lanes every stateful decision lives in a per lane accumulator flush "
+    "sentinels make replay exact the same bytes whatever the number of workers resume "
+    "exactly after a crash tokens pack into rows shuffle batch train model river stone"
+).split()
 
 
-def _encode(text: str) -> np.ndarray:
-    ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + BYTE_OFFSET
-    return np.append(ids, np.int32(EOS))
+def default_corpus(count: int = 400, seed: int = 0) -> list[str]:
+    """Generated documents whose lengths are heavy-tailed (a few long ones)."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(count):
+        length = max(1, int(rng.lognormvariate(3.0, 1.0)))
+        docs.append(" ".join(rng.choice(_WORDS) for _ in range(length)))
+    return docs
 
 
-def pack_demo_rows(texts: tuple[str, ...], row_length: int) -> SampleBatch:
-    """Greedily pack encoded documents into rows of ``row_length`` tokens."""
-    records: list[SampleRecord] = []
-    tokens: list[np.ndarray] = []
-    positions: list[np.ndarray] = []
-    refs: list[ContributorRef] = []
-    used = 0
+def train_tokenizer(texts: list[str], vocab_size: int = 512) -> Any:
+    """A small byte-level BPE trained on ``texts`` (EOS is id 0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    def close_row() -> None:
-        nonlocal used, tokens, positions, refs
-        pad = row_length - used
-        tokens.append(np.full(pad, PAD, dtype=np.int32))
-        positions.append(np.arange(pad, dtype=np.int32))
-        first = refs[0].cursor
-        meta = SampleMeta(first.sample_id, 0, first.chunk_id, first.chunk_offset,
-                          {0: len(refs)}, None, (0,),
-                          {PACKING_METADATA_TAG: {"padding_length": pad}})
-        payload = {"input_ids": np.concatenate(tokens), "positions": np.concatenate(positions)}
-        records.append(SampleRecord(meta.with_contributors(refs), payload))
-        tokens, positions, refs, used = [], [], [], 0
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
 
-    for offset, text in enumerate(texts):
-        ids = _encode(text)[:row_length]
-        if used + len(ids) > row_length:
-            close_row()
-        base = SampleMeta((0, 0, offset), 0, 0, offset, {0: 1})
-        tokens.append(ids)
-        positions.append(np.arange(len(ids), dtype=np.int32))
-        refs.append(ContributorRef(base.cursor, True))
-        used += len(ids)
-    if refs:
-        close_row()
-    return SampleBatch(records)
+
+def demo_pipeline(row_length: int = 129, *, docs: int = 400) -> Pipeline:
+    """The demo pipeline: tokenize -> pack_flat -> shuffle -> batch."""
+    texts = default_corpus(docs)
+    tokenizer = train_tokenizer(texts)
+    return (
+        Pipeline.from_items(texts, num_lanes=4, chunk_size=32, seed=0)
+        .tokenize(tokenizer, special_tokens="eos")
+        .pack_flat(row_length, num_bins=4)
+        .shuffle(32, seed=1)
+        .batch(4, drop_last=True)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print the packed rows and their ``to_training`` tensors."""
+    """Run the demo and print what a training loop would receive."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--row-length", type=int, default=97,
+    parser.add_argument("--row-length", type=int, default=129,
                         help="tokens per packed row (model length + 1)")
+    parser.add_argument("--runner", default="threads", choices=["inline", "threads", "process"])
+    parser.add_argument("--num-workers", type=int, default=2)
     args = parser.parse_args(argv)
-    batch = pack_demo_rows(DEFAULT_CORPUS, args.row_length)
-    print(f"{len(DEFAULT_CORPUS)} documents packed into {len(batch)} rows of "
-          f"{args.row_length} tokens")
-    for record in batch:
-        print(f"  row {record.meta.sample_id}: {len(record.meta.contributors)} documents, "
-              f"padding {record.meta.padding_length}")
-    out = batch.to_training(return_labels=True, return_cu_seqlens=True,
-                            return_loss_mask=True, return_num_valid_tokens=True,
-                            eos_mask_loss=True, eos_token_id=EOS)
+
+    pipe = demo_pipeline(args.row_length)
+    print(f"pipeline: {pipe}")
+    it = pipe.iter(runner=args.runner, num_workers=args.num_workers)
+    batches = list(it)
+    first = batches[0]
+    print(f"{len(batches)} batches of {len(first)} rows; first batch from lane "
+          f"{first.lane_ids[0]}, documents per row "
+          f"{[len(r.meta.contributors) for r in first]}")
+    out = first.to_training(return_labels=True, return_cu_seqlens=True,
+                            return_num_valid_tokens=True)
     for key, value in out.items():
         if hasattr(value, "shape"):
-            first = value[0].tolist() if value.dim() else value.item()
-            preview = f"{first[:16]} ..." if isinstance(first, list) and len(first) > 16 else first
+            row = value[0].tolist() if value.dim() else value.item()
+            preview = f"{row[:12]} ..." if isinstance(row, list) and len(row) > 12 else row
             print(f"{key:>16}: {tuple(value.shape)} {value.dtype}, row 0: {preview}")
-        else:
-            print(f"{key:>16}: {value!r}")
+        elif key != "texts":
+            print(f"{key:>16}: {value!r}"[:110])
+    stats = it.stats()
+    print(f"accounting: {stats['read']} documents read = {stats['delivered']} delivered "
+          f"+ {stats['tombstoned']} tombstoned (dropped by batch(drop_last=True) or empty)")
+    inline = list(pipe.iter(runner="inline"))
+    same = len(inline) == len(batches) and all(a == b for a, b in zip(inline, batches))
+    print(f"runner={args.runner} x{args.num_workers} vs inline: "
+          f"{'identical' if same else 'DIFFERENT'} output")
+
 
 if __name__ == "__main__":
     main()

@@ -150,3 +150,43 @@ def token_total(outputs: Iterable[Any], field: str = "input_ids") -> int:
             tokens = payload[field] if isinstance(payload, dict) else payload
             total += len(np.asarray(tokens)) - (record.meta.padding_length or 0)
     return total
+
+
+def assert_restores_everywhere(
+    pipe: Pipeline,
+    *,
+    cut_points: Sequence[int] | None = None,
+    resume_settings: Sequence[Mapping[str, Any]] = ({"runner": "inline"},),
+    max_replayed_per_lane: int | None = None,
+    **iter_kwargs: Any,
+) -> list[Any]:
+    """Checkpoint after k outputs (every k by default), JSON round-trip the state,
+    resume in a fresh iterator and check that head + rest equals the uninterrupted run.
+
+    Resumes cycle through ``resume_settings`` (other runners, worker counts).
+    """
+    import json
+
+    iter_kwargs.setdefault("runner", "inline")
+    reference = collect(pipe, **iter_kwargs)
+    points = range(len(reference) + 1) if cut_points is None else cut_points
+    for n, k in enumerate(points):
+        it = pipe.iter(**iter_kwargs)
+        try:
+            head = [next(it) for _ in range(k)]
+            state = json.loads(json.dumps(it.state_dict()))
+        finally:
+            it.close()
+        setting = dict(resume_settings[n % len(resume_settings)])
+        resumed = pipe.iter(**{**iter_kwargs, **setting})
+        try:
+            resumed.load_state_dict(state)
+            rest = list(resumed)
+            replayed = resumed.stats()["replayed_by_lane"]
+        finally:
+            resumed.close()
+        assert_same(reference, head + rest, label=f"cut at {k}, resumed with {setting}")
+        if max_replayed_per_lane is not None:
+            worst = max(replayed.values(), default=0)
+            assert worst <= max_replayed_per_lane, (k, replayed)
+    return reference

@@ -12,7 +12,7 @@ from memsource import MemDataset
 from zephon_torch.ops.accumulators import Accumulator, CountingAccumulator
 from zephon_torch.ops.base import OpContext, Operator, OpTraits, tombstone
 from zephon_torch.pipeline import Pipeline
-from zephon_torch.types import SampleRecord
+from zephon_torch.types import ContributorRef, SampleRecord
 
 
 class Upper(Operator):
@@ -41,8 +41,12 @@ class Split(Operator):
     def process_many(self, elems: Sequence[Any]) -> list[Any]:
         out = []
         for e in elems:
-            out.append(SampleRecord(e.meta.child(0), {"text": e.payload["text"] + "/a"}))
-            out.append(SampleRecord(e.meta.child(1), {"text": e.payload["text"] + "/b"}))
+            base = e.meta.cursor
+            # only the last child closes the base sample
+            first = e.meta.child(0).with_contributors([ContributorRef(base.child(0), False)])
+            last = e.meta.child(1).with_contributors([ContributorRef(base.child(1), True)])
+            out.append(SampleRecord(first, {"text": e.payload["text"] + "/a"}))
+            out.append(SampleRecord(last, {"text": e.payload["text"] + "/b"}))
         return out
 
     def traits(self) -> OpTraits:
@@ -149,6 +153,11 @@ def test_tombstones_never_reach_the_caller_and_are_counted() -> None:
 def test_each_lane_is_the_same_on_any_number_of_ranks() -> None:
     pipe = pipe_of(70).apply(Split()).apply(DropOdd())
     assert_elastic(pipe, world_sizes=(1, 2, 4))
+
+
+def test_fan_out_with_contributors_conserves_samples() -> None:
+    stats = assert_conserved(pipe_of(30).apply(Split()), runner="inline")
+    assert stats == {**stats, "read": 30, "delivered": 30, "tombstoned": 0}
 
 
 def test_ranks_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -135,8 +135,11 @@ def test_empty_item_text_becomes_a_tombstone_at_the_source() -> None:
 # Golden values: they pin the permutation so that an accidental change of the
 # shuffle (and of every resumed run that depends on it) fails loudly.
 def test_permutation_golden_values() -> None:
-    assert permute(np.arange(10), 10, seed_key(0)).tolist() == [9, 2, 5, 8, 1, 4, 0, 7, 3, 6]
-    assert permute(np.arange(10), 10, seed_key(1)).tolist() == [7, 4, 2, 8, 3, 6, 0, 1, 9, 5]
+    assert permute(np.arange(10), 10, seed_key(0)).tolist() == [4, 1, 5, 2, 9, 0, 8, 7, 6, 3]
+    assert permute(np.arange(10), 10, seed_key(1)).tolist() == [7, 0, 8, 2, 4, 5, 1, 3, 6, 9]
+    # the Feistel network (shards over 65,536 samples)
+    big = permute(np.arange(5), 100_003, seed_key(0)).tolist()
+    assert big == GOLDEN_FEISTEL
     assert seed_key(0, 1, 2) == seed_key(0, 1, 2) != seed_key(0, 2, 1)
 
 
@@ -147,13 +150,21 @@ def test_schedule_golden_values() -> None:
 
 
 GOLDEN_SCHEDULE = [
-    (0, 1, 0), (0, 1, 1), (0, 1, 5), (0, 1, 4), (0, 1, 6), (0, 1, 2),
-    (0, 1, 3), (0, 0, 2), (0, 0, 3), (0, 0, 4), (0, 0, 1), (0, 0, 0),
+    (0, 0, 3), (0, 0, 2), (0, 0, 0), (0, 0, 1), (0, 0, 4), (0, 1, 3),
+    (0, 1, 0), (0, 1, 2), (0, 1, 5), (0, 1, 6), (0, 1, 1), (0, 1, 4),
 ]
+GOLDEN_FEISTEL = [95357, 85683, 27288, 27375, 59367]
+
+
+def test_small_shards_are_shuffled_uniformly() -> None:
+    counts = Counter(tuple(permute(np.arange(4), 4, seed_key(s)).tolist()) for s in range(2400))
+    assert len(counts) == 24  # every order of 4 appears, about equally often
+    assert min(counts.values()) > 60 and max(counts.values()) < 140
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 5000), key=st.integers(0, 2**64 - 1))
+@given(n=st.one_of(st.integers(1, 5000), st.integers(65_537, 300_000)),
+       key=st.integers(0, 2**64 - 1))
 def test_permute_is_a_bijection(n: int, key: int) -> None:
     out = permute(np.arange(n), n, key)
     assert out.dtype == np.int64

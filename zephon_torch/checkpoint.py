@@ -1,32 +1,443 @@
-"""Checkpoint support: the replay filter the planner inserts before ``batch``.
+"""Checkpoints: progress accounting, the replay filter, states and their merge.
 
-After ``load_state_dict``, each lane replays its inflight chunks from its
-last epoch boundary; the replay filter drops that lane's replayed records
-until it has dropped the one whose cursor equals the lane's replay cursor,
-then lets everything through. On a fresh run it is a passthrough.
+**Progress.** The consumer side counts, per lane, the base offsets closed by
+what the caller received (last-child contributions of delivered records)
+and by tombstones. A chunk whose every offset is closed is complete. Chunks
+are grouped in *epochs* (the ``flush_every_k_chunks`` chunks between two
+flush sentinels of a lane; one chunk each when there are no sentinels), and
+complete epochs are forgotten whole.
+
+**A state** holds, per lane: the *replay cursor* (the cursor key of the
+last record delivered; for a batch, its last record), the *window* (the
+schedule states of the registered chunks from the start of the earliest
+incomplete epoch to the end of the cursor's epoch), the schedule state of
+the lane's next chunk, and a few counters; plus the rank's round-robin
+position, a format version, a fingerprint of the configuration and a
+checksum. It is plain JSON, and its size depends on the window, never on
+how far training got.
+
+**Resume.** Each lane replays its window from the epoch boundary (so every
+accumulator starts fresh exactly where it did live), then continues with
+new chunks. The :class:`ReplayFilter`, which the planner puts right before
+``batch``, drops the lane's replayed records until it has dropped the one
+equal to the replay cursor, and only then lets records through. Batching
+therefore rebuilds from an empty buffer at a point where, live, the buffer
+was empty too (the cursor is the last record of a delivered batch), so the
+continuation is exact. A worked example, batch size 3, sentinel at
+boundary ``B`` between ``o2`` and ``n1``::
+
+    live:    [o0 o1 o2 | n1 n2 n3 ...]  -> batches [o0 o1 o2] [n1 n2 n3]   (cursor = o2)
+    resume:  replay from the epoch of o2: o0 o1 o2 dropped, n1 n2 n3 -> [n1 n2 n3]
+
+and for a cross-epoch batch ``[o1 o2 n1]`` (cursor ``n1``): the epoch of
+``o*`` is complete, so the window starts at ``B``; replay drops ``n1`` and
+the next batch is ``[n2 n3 n4]``, as live.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from zephon_torch.ops.accumulators import Accumulator, PassthroughAccumulator
+from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
+from zephon_torch.sources.schedule import Chunk, ScheduleState
+from zephon_torch.types import SampleBatch, SampleRecord
 
-__all__ = ["ReplayFilter"]
+__all__ = [
+    "STATE_VERSION",
+    "ProgressTracker",
+    "ReplayFilter",
+    "check_state",
+    "fingerprint_parts",
+    "key_from_json",
+    "merge_states",
+    "state_checksum",
+]
+
+#: Format version of :meth:`PipelineIterator.state_dict` states.
+STATE_VERSION = 1
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+@dataclass
+class _ChunkProgress:
+    size: int
+    start: ScheduleState
+    closed: set[int] = field(default_factory=set)  # offsets: closing twice is harmless
+
+
+@dataclass
+class LaneProgress:
+    """What one lane has registered and delivered, and which epochs are done.
+
+    With flush sentinels an epoch is done when the caller has received
+    everything that came before the epoch's sentinel (the sentinel follows
+    all of the epoch's output through every stage). Counting closed offsets
+    would not do: after a shuffle, a split document's last piece may be
+    delivered before an earlier piece. Without sentinels (order-preserving
+    plans) an epoch is one chunk, done when all its offsets are closed.
+    """
+
+    lane: int
+    flush_every: int
+    chunks: dict[int, _ChunkProgress] = field(default_factory=dict)
+    done_epoch: int = 0  # epochs below this one are done
+    incomplete: dict[int, int] = field(default_factory=dict)  # no sentinels: chunk -> open
+    delivered_in_epoch: dict[int, int] = field(default_factory=dict)
+    cursor: tuple | None = None
+    cursor_epoch: int | None = None
+    outputs: int = 0
+    read: int = 0
+    finished: bool = False  # every output of the lane has been delivered
+    exhausted: bool = False  # the schedule has no new chunk for this lane
+    registered_until: int = 0  # the next chunk id to be registered
+
+    def epoch_of(self, chunk_id: int) -> int:
+        return chunk_id // self.flush_every if self.flush_every else chunk_id
+
+    def register(self, chunk: Chunk) -> None:
+        size = len(chunk)
+        self.read += size
+        self.registered_until = max(self.registered_until, chunk.chunk_id + 1)
+        self.chunks[chunk.chunk_id] = _ChunkProgress(size, chunk.start)
+        if not self.flush_every:
+            if size:
+                self.incomplete[chunk.chunk_id] = size
+            self._advance_by_closures()
+
+    def close(self, chunk_id: int, offset: int) -> None:
+        """An offset closed by a delivered last piece or a tombstone (no-sentinel plans)."""
+        if self.flush_every:
+            return
+        info = self.chunks.get(chunk_id)
+        if info is None or offset in info.closed:  # forgotten, or closed already
+            return
+        info.closed.add(offset)
+        if len(info.closed) == info.size:
+            self.incomplete.pop(chunk_id, None)
+            self._advance_by_closures()
+
+    def _advance_by_closures(self) -> None:
+        first_open = min(self.incomplete) if self.incomplete else self.registered_until
+        self._forget_before(first_open)
+
+    def sentinel_delivered(self, boundary_chunk_id: int) -> None:
+        """Everything before the sentinel of ``boundary_chunk_id`` has been delivered."""
+        self._forget_before(self.epoch_of(boundary_chunk_id))
+
+    def _forget_before(self, epoch: int) -> None:
+        if epoch <= self.done_epoch:
+            return
+        self.done_epoch = epoch
+        for cid in [c for c in self.chunks if self.epoch_of(c) < epoch]:
+            del self.chunks[cid]
+        for e in [e for e in self.delivered_in_epoch if e < epoch]:
+            del self.delivered_in_epoch[e]
+
+    def finish(self) -> None:
+        """The lane has ended and the caller has received all of its output."""
+        self.finished = True
+        self._forget_before(self.epoch_of(self.registered_until))
+
+    def delivered(self, record: SampleRecord, *, count_output: bool) -> None:
+        """A record the caller received (or, on replay, had received)."""
+        meta = record.meta
+        epoch = self.epoch_of(meta.chunk_id)
+        self.cursor = meta.as_cursor_key()
+        self.cursor_epoch = epoch
+        self.delivered_in_epoch[epoch] = self.delivered_in_epoch.get(epoch, 0) + 1
+        if count_output:
+            self.outputs += 1
+
+    def window(self) -> tuple[int, int] | None:
+        """First and last epoch to replay (None: nothing is inflight)."""
+        if self.finished:
+            return None
+        first = self.done_epoch
+        last = first
+        if self.cursor_epoch is not None and self.cursor_epoch > first:
+            last = self.cursor_epoch
+        return first, last
+
+    def snapshot(self, next_state: Callable[[int], ScheduleState | None],
+                 num_lanes: int) -> dict[str, Any]:
+        """This lane's part of a state (``next_state(g)`` gives unregistered chunks' states)."""
+        span = self.window()
+        window: list[int] = []
+        cursor = None
+        count = 0
+        if span is not None:
+            first, last = span
+            window = sorted(c for c in self.chunks if first <= self.epoch_of(c) <= last)
+            if self.cursor_epoch is not None and self.cursor_epoch >= first:
+                cursor = _key_to_json(self.cursor)
+                count = sum(n for e, n in self.delivered_in_epoch.items() if first <= e <= last)
+        if self.finished or self.exhausted:
+            nxt: ScheduleState | None = None
+        else:
+            next_chunk = window[-1] + 1 if window else self.registered_until
+            if next_chunk in self.chunks:  # registered already (a later epoch): known
+                nxt = self.chunks[next_chunk].start
+            else:
+                nxt = next_state(next_chunk * num_lanes + self.lane)
+        boundaries = []
+        if window and self.flush_every:
+            boundaries = sorted({(c // self.flush_every) * self.flush_every for c in window})
+        return {
+            "window": [[c, *self.chunks[c].start.to_json()] for c in window],
+            "epoch_boundaries": boundaries,
+            "replay_cursor": cursor,
+            "replay_count": count,
+            "next": None if nxt is None else nxt.to_json(),
+            "outputs": self.outputs,
+        }
+
+
+class ProgressTracker:
+    """Per-lane progress of one iterator (see the module doc)."""
+
+    def __init__(self, lanes: Sequence[int], flush_every: int) -> None:
+        self.flush_every = flush_every
+        self.lanes = {lane: LaneProgress(lane, flush_every) for lane in lanes}
+
+    def register(self, chunk: Chunk) -> None:
+        self.lanes[chunk.lane_id].register(chunk)
+
+    def close_refs(self, record: SampleRecord) -> None:
+        """Close what ``record`` closes (its last-child contributions)."""
+        if self.flush_every:
+            return  # epochs end at sentinels: closures are not needed
+        meta = record.meta
+        lane = self.lanes[meta.lane_id]
+        tags = meta.tags
+        if not tags or "_contributors" not in tags:
+            lane.close(meta.chunk_id, meta.chunk_offset)
+            return
+        for ref in meta.contribution_refs():
+            if ref.is_last_child:
+                lane.close(ref.cursor.chunk_id, ref.cursor.chunk_offset)
+
+    def delivered(self, item: Any) -> None:
+        """An item the caller received: close its offsets, move the replay cursor."""
+        records = item.records if isinstance(item, SampleBatch) else (item,)
+        if not records:
+            return
+        lane = self.lanes[records[0].meta.lane_id]
+        for record in records:
+            self.close_refs(record)
+            lane.delivered(record, count_output=False)
+        lane.outputs += 1
+
+    def replayed(self, record: SampleRecord) -> None:
+        """A replayed record the filter dropped: the caller had received it before."""
+        self.close_refs(record)
+        self.lanes[record.meta.lane_id].delivered(record, count_output=False)
+
+
+def _key_to_json(key: tuple) -> list[Any]:
+    chunk_id, offset, lineage, sample_id = key
+    return [chunk_id, offset, list(lineage), list(sample_id)]
+
+
+def key_from_json(value: Sequence[Any]) -> tuple:
+    """A cursor key from its JSON form (lists back to tuples)."""
+    chunk_id, offset, lineage, sample_id = value
+    return (int(chunk_id), int(offset), tuple(int(i) for i in lineage),
+            tuple(int(i) for i in sample_id))
+
+
+# ---------------------------------------------------------------------------- replay filter
+
+
+class ReplayFilterAccumulator(Accumulator):
+    """Drops each lane's replayed records up to its replay cursor.
+
+    Per lane: ``(cursor key, records expected to be dropped, last chunk id of
+    the window)``. Until the cursor is met, every record is dropped (and
+    reported through ``on_drop``, so progress counts it as delivered); a
+    record from beyond the window, or the end of the stream, while still
+    dropping means replay diverged.
+    """
+
+    def __init__(self, targets: Mapping[int, tuple[tuple, int, int]],
+                 on_drop: Callable[[SampleRecord], None] | None) -> None:
+        self._targets = {lane: list(t) for lane, t in targets.items()}
+        self._dropped = dict.fromkeys(targets, 0)
+        self._on_drop = on_drop
+
+    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
+        if not self._targets:
+            return [list(elems)] if elems else []
+        out = []
+        for elem in elems:
+            records = elem.records if isinstance(elem, SampleBatch) else (elem,)
+            lane = records[0].meta.lane_id if records else -1
+            target = self._targets.get(lane)
+            if target is None:
+                out.append(elem)
+                continue
+            cursor, expected, window_end = target
+            last = records[-1].meta
+            if last.chunk_id > window_end and last.as_cursor_key() != cursor:
+                self._diverged(lane, f"a record of chunk {last.chunk_id}, past the replayed "
+                                     f"window (last chunk {window_end}), arrived first")
+            for record in records:
+                self._dropped[lane] += 1
+                if self._on_drop is not None:
+                    self._on_drop(record)
+            if last.as_cursor_key() == cursor:
+                del self._targets[lane]
+                if self._dropped[lane] != expected:
+                    self._diverged(lane, f"the cursor came after {self._dropped[lane]} "
+                                         f"records instead of {expected}")
+        return [out] if out else []
+
+    def _diverged(self, lane: int, why: str) -> None:
+        raise RuntimeError(
+            f"replay diverged on lane {lane}: {why}. The data or the code changed since the "
+            "checkpoint in a way the fingerprint does not cover; resume from an earlier "
+            "checkpoint or start this lane afresh"
+        )
+
+    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
+        # Holds nothing, and its dropping state spans epochs: a flush is a no-op,
+        # except that the end of the stream must not come while still dropping.
+        if not reset and lane_id is None and self._targets:
+            lane = min(self._targets)
+            self._diverged(lane, "the stream ended before the replay cursor was met")
+        return []
+
+    def has_pending_data(self, lane_id: int | None = None) -> bool:
+        return False
+
+    @property
+    def replaying(self) -> bool:
+        """Whether some lane is still dropping replayed records."""
+        return bool(self._targets)
 
 
 class ReplayFilter(Operator):
-    """Drops a lane's replayed records up to its replay cursor (a passthrough when fresh)."""
+    """The planner's filter before ``batch``: a passthrough unless resuming."""
 
     name = "replay_filter"
 
+    def __init__(self) -> None:
+        self.targets: dict[int, tuple[tuple, int, int]] = {}
+        self.on_drop: Callable[[SampleRecord], None] | None = None
+
     def accumulator(self, *, deterministic: bool, ctx: OpContext) -> Accumulator:
-        return PassthroughAccumulator()
+        return ReplayFilterAccumulator(self.targets, self.on_drop)
 
     def process_many(self, elems: Sequence[Any]) -> list[Any]:
         return list(elems)
 
     def traits(self) -> OpTraits:
         return OpTraits(inline=True)
+
+    def config(self) -> dict[str, Any]:
+        return {"op": "replay_filter"}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"targets": {}, "on_drop": None}  # workers never run it
+
+
+# ---------------------------------------------------------------------------- states
+
+
+def fingerprint_parts(fingerprint: Mapping[str, Any]) -> dict[str, str]:
+    """A short digest per part of a fingerprint (so a mismatch can say what differs)."""
+    parts = {}
+    for key, value in fingerprint.items():
+        if key == "ops":
+            for i, op in enumerate(value):
+                parts[f"ops[{i}]"] = _digest(op)
+            parts["ops.count"] = str(len(value))
+        else:
+            parts[key] = _digest(value)
+    return parts
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def state_checksum(state: Mapping[str, Any]) -> str:
+    """Checksum of a state's content (everything but the checksum itself)."""
+    body = {k: v for k, v in state.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def check_state(state: Any, fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a state against this pipeline; raise ValueError saying what is wrong."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"corrupted state: expected a dict, got {type(state).__name__}")
+    version = state.get("version")
+    if version != STATE_VERSION:
+        raise ValueError(
+            f"unknown state version {version!r}; this zephon_torch reads version "
+            f"{STATE_VERSION}"
+        )
+    for key, kind in (("lanes", dict), ("fingerprint", dict), ("checksum", str),
+                      ("num_lanes", int)):
+        if not isinstance(state.get(key), kind):
+            raise ValueError(f"corrupted state: {key!r} is missing or not a {kind.__name__}")
+    if state["checksum"] != state_checksum(state):
+        raise ValueError(
+            "corrupted state: the checksum does not match its content (a truncated or edited "
+            "checkpoint?); nothing was loaded"
+        )
+    mine = fingerprint_parts(fingerprint)
+    theirs = state["fingerprint"]
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if differ:
+        raise ValueError(
+            f"the state was saved by a different pipeline configuration: {', '.join(differ)} "
+            "differ(s). Resume with the same sources, operators, num_lanes, chunk_size, seed "
+            "and flush_every_k_chunks"
+        )
+    for lane, entry in state["lanes"].items():
+        if not str(lane).isdigit() or not isinstance(entry, Mapping):
+            raise ValueError(f"corrupted state: lane entry {lane!r}")
+        for key in ("window", "next", "replay_cursor", "replay_count", "outputs"):
+            if key not in entry:
+                raise ValueError(f"corrupted state: lane {lane} has no {key!r}")
+    return dict(state)
+
+
+def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Combine the states of several ranks into one global state.
+
+    Any ``world_size`` up to ``num_lanes`` can load the result: each rank
+    takes its own lanes. All states must come from the same pipeline
+    configuration and hold disjoint lanes.
+    """
+    if not states:
+        raise ValueError("merge_states needs at least one state")
+    first = states[0]
+    lanes: dict[str, Any] = {}
+    for i, state in enumerate(states):
+        for key in ("version", "fingerprint", "num_lanes"):
+            if state.get(key) != first.get(key):
+                raise ValueError(f"merge_states: state {i} has a different {key!r}")
+        if state.get("checksum") != state_checksum(state):
+            raise ValueError(f"merge_states: state {i} is corrupted (checksum mismatch)")
+        for lane, entry in state["lanes"].items():
+            if lane in lanes:
+                raise ValueError(f"merge_states: lane {lane} appears in two states")
+            lanes[lane] = entry
+    merged = {
+        "version": first["version"],
+        "fingerprint": first["fingerprint"],
+        "num_lanes": first["num_lanes"],
+        "lanes": dict(sorted(lanes.items(), key=lambda kv: int(kv[0]))),
+        "round_robin": None,  # a merged state has no single rank's position
+    }
+    merged["checksum"] = state_checksum(merged)
+    return merged

@@ -40,7 +40,12 @@ from typing import Any
 from zephon_torch.ops.accumulators import Accumulator, lane_of
 from zephon_torch.ops.base import Operator, check_elements, tombstone
 from zephon_torch.runners.base import InlinePool, Pool
-from zephon_torch.types import FLUSH_SENTINEL_TAG, TOMBSTONE_TAG, SampleRecord
+from zephon_torch.types import (
+    FLUSH_SENTINEL_TAG,
+    TOMBSTONE_TAG,
+    SampleBatch,
+    SampleRecord,
+)
 
 __all__ = ["Engine", "Stage"]
 
@@ -255,7 +260,8 @@ class Engine:
     def _take_dropped(self, stage: Stage) -> None:
         dropped = stage.acc.take_dropped()
         if dropped:
-            stage.slots.append(_Slot([_drop(elem) for elem in dropped], control=True))
+            stage.slots.append(_Slot([t for elem in dropped for t in _drop(elem)],
+                                     control=True))
 
     def _finish(self, stage: Stage) -> bool:
         if stage.done:
@@ -335,11 +341,10 @@ def _is_control(elem: SampleRecord) -> bool:
     return bool(tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_SENTINEL_TAG))
 
 
-def _drop(elem: Any) -> Any:
+def _drop(elem: Any) -> list[Any]:
     """A dropped element becomes tombstones closing what it would have closed."""
-    if isinstance(elem, SampleRecord):
-        return tombstone(elem, "drop_last")
-    return elem
+    records = elem.records if isinstance(elem, SampleBatch) else (elem,)
+    return [tombstone(record, "drop_last") for record in records]
 
 
 def _run_local(stage: Stage, batch: list[Any]) -> list[Any]:

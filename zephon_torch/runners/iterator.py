@@ -138,23 +138,42 @@ class PipelineIterator:
             passes=src.passes, shuffle=src.shuffle, weights=src.weights,
             exhausted=src.exhausted,
         )
-        compiled = pipeline.compile(microbatch_sizes)
-        self.stage_names = [c.name for c in compiled]
-        ctxs = self._contexts(compiled)
-        ops = [c.op for c in compiled]
-        self._pool = self._make_pool(ops, ctxs)
-        self.stages = self._make_stages(compiled, ctxs)
+        self._compiled = pipeline.compile(microbatch_sizes)
+        self.stage_names = [c.name for c in self._compiled]
+        self._ctxs = self._contexts(self._compiled)
+        self._pool = self._make_pool([c.op for c in self._compiled], self._ctxs)
         self.flush_every = pipeline.flush_every()
-        self.emitter = SourceEmitter(
-            self.schedule, src.datasets, lanes=self.lanes, flush_every=self.flush_every,
-            on_chunk=self._on_chunk,
-        )
-        self.engine = Engine(self.emitter, self.stages, deterministic=deterministic,
-                             max_in_flight=2 * num_workers + 2)
+        self._fingerprint = pipeline.fingerprint()
+        self._started = False
+        self._build()
+
+    def _build(self, resume: Mapping[str, Any] | None = None) -> None:
+        """(Re)create the run: progress, accumulators, source and engine."""
+        from zephon_torch.checkpoint import ProgressTracker, ReplayFilter, key_from_json
+
+        src = self.pipeline.source
+        self.progress = ProgressTracker(self.lanes, self.flush_every)
+        self._stats = _Stats(self.lanes)
         self._queues: dict[int, deque[Any]] = {lane: deque() for lane in self.lanes}
         self._rr = 0
         self._ended: set[int] = set()
-        self._stats = _Stats(self.lanes)
+        replay_filter = next(c.op for c in self._compiled if isinstance(c.op, ReplayFilter))
+        replay_filter.targets = {}
+        replay_filter.on_drop = self.progress.replayed
+        start, lane_next, replay = None, {}, []
+        if resume is not None:
+            start, lane_next, replay = self._resume_plan(resume, replay_filter, key_from_json)
+        self.stages = self._make_stages(self._compiled, self._ctxs)
+        self._replay_filter_stage = next(
+            s for s in self.stages if isinstance(s.op, ReplayFilter))
+        self.emitter = SourceEmitter(
+            self.schedule, src.datasets, lanes=self.lanes, flush_every=self.flush_every,
+            on_chunk=self._on_chunk, start=start, lane_next=lane_next, replay=replay,
+        )
+        if resume is not None and start is None:
+            self.emitter.finished = True  # every lane's stream had ended
+        self.engine = Engine(self.emitter, self.stages, deterministic=self.deterministic,
+                             max_in_flight=2 * self.num_workers + 2)
 
     # ------------------------------------------------------------------ set-up
 
@@ -219,12 +238,10 @@ class PipelineIterator:
         lane = lanes[self._rr]
         queue = self._queues[lane]
         if queue:  # the common case, kept short
-            self._rr = (self._rr + 1) % len(lanes)
-            item = queue.popleft()
-            self._stats.delivered(lane, item)
-            return item
+            return self._deliver(lane, queue)
         if self._closed:
             raise StopIteration
+        self._started = True
         queues = self._queues
         while True:
             if len(self._ended) == len(lanes):
@@ -233,17 +250,29 @@ class PipelineIterator:
             lane = lanes[self._rr]
             queue = queues[lane]
             if queue:
-                self._rr = (self._rr + 1) % len(lanes)
-                item = queue.popleft()
-                self._stats.delivered(lane, item)
-                return item
+                return self._deliver(lane, queue)
             if lane in self._ended:
                 self._rr = (self._rr + 1) % len(lanes)
                 continue
             if not self._pump():
                 for other in lanes:
-                    if not queues[other]:
+                    if not queues[other] and other not in self._ended:
                         self._ended.add(other)
+                        self.progress.lanes[other].finish()
+
+    def _deliver(self, lane: int, queue: deque[Any]) -> Any:
+        self._rr = (self._rr + 1) % len(self.lanes)
+        item = queue.popleft()
+        self._stats.delivered(lane, item)
+        self.progress.delivered(item)
+        if queue and type(queue[0]) is SampleRecord and queue[0].meta.tags:
+            self._drain_sentinels(lane, queue)
+        return item
+
+    def _drain_sentinels(self, lane: int, queue: deque[Any]) -> None:
+        """Sentinels at the head of a lane's queue: their epoch is fully delivered."""
+        while queue and type(queue[0]) is SampleRecord and queue[0].meta.is_flush_sentinel:
+            self.progress.lanes[lane].sentinel_delivered(queue.popleft().meta.chunk_id)
 
     def _pump(self) -> bool:
         try:
@@ -269,8 +298,18 @@ class PipelineIterator:
         if type(elem) is SampleRecord:
             lane = elem.meta.lane_id
             tags = elem.meta.tags
-            if tags and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_SENTINEL_TAG)):
+            if tags and tags.get(TOMBSTONE_TAG):
                 self._stats.control(lane, elem)
+                self.progress.close_refs(elem)
+                return
+            if tags and tags.get(FLUSH_SENTINEL_TAG):
+                # A marker in the lane's queue: the epoch is done once the caller has
+                # received everything queued before it.
+                queue = self._queues[lane]
+                if queue:
+                    queue.append(elem)
+                else:
+                    self.progress.lanes[lane].sentinel_delivered(elem.meta.chunk_id)
                 return
         else:
             lane = elem.lane_ids[0]
@@ -278,6 +317,103 @@ class PipelineIterator:
 
     def _on_chunk(self, chunk: Chunk) -> None:
         self._stats.read(chunk.lane_id, len(chunk))
+        self.progress.register(chunk)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last item handed to the caller, as JSON-able builtins.
+
+        Per lane: the replay cursor, the inflight window (schedule states of its
+        chunks), the epoch boundaries among them, the next chunk's schedule
+        state; plus the round-robin position, the format version, the
+        configuration fingerprint and a checksum. See ``checkpoint.py``.
+        """
+        from zephon_torch.checkpoint import STATE_VERSION, fingerprint_parts, state_checksum
+
+        num_lanes = self.pipeline.source.num_lanes
+        lanes = {
+            str(lane): self.progress.lanes[lane].snapshot(self._next_state, num_lanes)
+            for lane in self.lanes
+        }
+        state = {
+            "version": STATE_VERSION,
+            "fingerprint": fingerprint_parts(self._fingerprint),
+            "num_lanes": num_lanes,
+            "lanes": lanes,
+            "round_robin": {"lanes": list(self.lanes), "index": self._rr},
+        }
+        state["checksum"] = state_checksum(state)
+        return state
+
+    def _next_state(self, global_chunk: int) -> Any:
+        if self.emitter.finished:
+            return None
+        return self.emitter.state_of(global_chunk)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue exactly where the state's iterator(s) stopped (before iterating).
+
+        ``state`` may be one rank's state or a :func:`merge_states` global one;
+        this iterator takes its own lanes from it, whatever the world size.
+        """
+        from zephon_torch.checkpoint import check_state
+
+        if self._started:
+            raise RuntimeError(
+                "load_state_dict() must be called before iterating; create a new iterator "
+                "with pipe.iter(...) and load the state into it"
+            )
+        state = check_state(state, self._fingerprint)
+        if state["num_lanes"] != self.pipeline.source.num_lanes:
+            raise ValueError(
+                f"the state has {state['num_lanes']} lanes, this pipeline "
+                f"{self.pipeline.source.num_lanes}"
+            )
+        missing = [lane for lane in self.lanes if str(lane) not in state["lanes"]]
+        if missing:
+            raise ValueError(
+                f"the state has no entry for lane(s) {missing} (it holds lanes "
+                f"{sorted(int(k) for k in state['lanes'])}); merge every rank's state with "
+                "zephon_torch.checkpoint.merge_states() before resuming on another world size"
+            )
+        self._build(resume=state)
+
+    def _resume_plan(self, state: Mapping[str, Any], replay_filter: Any,
+                     key_from_json: Any) -> tuple[Any, dict[int, int], list[Any]]:
+        """Replay windows, per-lane next chunks, the emitter start, the filter targets."""
+        from zephon_torch.sources.schedule import ScheduleState
+
+        num_lanes = self.pipeline.source.num_lanes
+        replay: list[ScheduleState] = []
+        lane_next: dict[int, int] = {}
+        starts: list[ScheduleState] = []
+        for lane in self.lanes:
+            entry = state["lanes"][str(lane)]
+            window = [ScheduleState.from_json(row[1:]) for row in entry["window"]]
+            replay.extend(window)
+            progress = self.progress.lanes[lane]
+            progress.outputs = int(entry["outputs"])
+            if entry["replay_cursor"] is not None and window:
+                window_end = max(int(row[0]) for row in entry["window"])
+                replay_filter.targets[lane] = (key_from_json(entry["replay_cursor"]),
+                                               int(entry["replay_count"]), window_end)
+            if entry["next"] is None:
+                lane_next[lane] = sys.maxsize
+                progress.exhausted = True
+            else:
+                nxt = ScheduleState.from_json(entry["next"])
+                lane_next[lane] = nxt.global_chunk
+                progress.registered_until = nxt.global_chunk // num_lanes
+                starts.append(nxt)
+        rr = state.get("round_robin")
+        if rr and rr.get("lanes") == list(self.lanes):
+            self._rr = int(rr["index"]) % len(self.lanes)
+        else:  # another topology: start with the lane that has delivered least
+            outputs = [self.progress.lanes[lane].outputs for lane in self.lanes]
+            self._rr = outputs.index(min(outputs))
+        start = min(starts, key=lambda s: s.global_chunk) if starts else None
+        return start, lane_next, replay
 
     # ------------------------------------------------------------------ reporting
 
@@ -286,6 +422,8 @@ class PipelineIterator:
         per stage, micro-batches dispatched and sentinels seen or stalled."""
         report = self._stats.report()
         report["stages"] = {stage.name: dict(stage.counters) for stage in self.stages}
+        report["replayed_samples"] = self.emitter.replayed
+        report["replayed_by_lane"] = dict(self.emitter.replayed_by_lane)
         return report
 
     # ------------------------------------------------------------------ lifetime

@@ -73,6 +73,10 @@ class SourceEmitter:
         on_chunk: Called with every emitted :class:`Chunk` before its records
             are yielded (progress accounting registers chunks here).
         start: Schedule state to start from (default: the beginning).
+        lane_next: After a resume, the first global chunk each lane still
+            needs; earlier chunks of that lane are skipped.
+        replay: After a resume, the start states of the chunks to replay
+            first (every lane's inflight window), in any order.
     """
 
     def __init__(
@@ -84,6 +88,8 @@ class SourceEmitter:
         flush_every: int = 0,
         on_chunk: Callable[[Chunk], None] | None = None,
         start: ScheduleState | None = None,
+        lane_next: dict[int, int] | None = None,
+        replay: Sequence[ScheduleState] = (),
     ) -> None:
         self.schedule = schedule
         self.datasets = list(datasets)
@@ -97,17 +103,30 @@ class SourceEmitter:
             s.access == "pointer" for shards in self._shards for s in shards
         )
         self._streams: dict[tuple[int, int], _StreamReader] = {}
+        self.lane_next = dict(lane_next or {})
+        self._replay = sorted(replay, key=lambda s: s.global_chunk)
+        self.replayed = 0  # pointers re-read from replayed chunks
+        self.replayed_by_lane: dict[int, int] = {}
         self.finished = False
 
     def __iter__(self) -> Iterator[list[SampleRecord]]:
         return self
 
     def __next__(self) -> list[SampleRecord]:
+        while self._replay:
+            chunk, _ = self.schedule.chunk(self._replay.pop(0))
+            if chunk is not None:
+                self.replayed += len(chunk)
+                lane = chunk.lane_id
+                self.replayed_by_lane[lane] = self.replayed_by_lane.get(lane, 0) + len(chunk)
+                return self._emit(chunk)
+        if self.finished:
+            raise StopIteration
         schedule = self.schedule
         lanes = self.lanes
         while True:
             lane_id, _ = schedule.lane_of(self.state.global_chunk)
-            if lane_id in lanes:
+            if lane_id in lanes and self.state.global_chunk >= self.lane_next.get(lane_id, 0):
                 chunk, nxt = schedule.chunk(self.state)
             else:
                 chunk, (components, nxt) = None, schedule.advance(self.state)
@@ -118,12 +137,27 @@ class SourceEmitter:
                 self.finished = True
                 raise StopIteration
             self.state = nxt
-            if self.on_chunk is not None:
-                self.on_chunk(chunk)
-            records = self.records(chunk)
-            if self.flush_every and (chunk.chunk_id + 1) % self.flush_every == 0:
-                records.append(flush_sentinel(chunk.lane_id, chunk.chunk_id + 1))
-            return records
+            return self._emit(chunk)
+
+    def _emit(self, chunk: Chunk) -> list[SampleRecord]:
+        if self.on_chunk is not None:
+            self.on_chunk(chunk)
+        records = self.records(chunk)
+        if self.flush_every and (chunk.chunk_id + 1) % self.flush_every == 0:
+            records.append(flush_sentinel(chunk.lane_id, chunk.chunk_id + 1))
+        return records
+
+    def state_of(self, global_chunk: int) -> ScheduleState | None:
+        """The schedule state at a global chunk not yet emitted (None: past the end)."""
+        state = self.state
+        while state.global_chunk < global_chunk:
+            components, state = self.schedule.advance(state)
+            if components is None:
+                return None
+        if state.global_chunk != global_chunk:
+            raise ValueError(f"global chunk {global_chunk} is behind the emitter")
+        components, _ = self.schedule.advance(state)
+        return None if components is None else state
 
     def records(self, chunk: Chunk) -> list[SampleRecord]:
         """The records of one chunk, in chunk order."""

@@ -5,6 +5,9 @@ bytes per shard and ties the order to numpy's generator. Instead, the
 position ``i`` of a shard maps to ``permute(i, n, key)``, a bijection of
 ``[0, n)`` computed on demand:
 
+Shards of up to 65,536 samples use an argsort of keyed hashes instead (a
+uniform permutation, at most half a megabyte, cached). Larger ones:
+
 1. Pick ``h`` with ``4**h >= n``; split ``i`` into two ``h``-bit halves.
 2. Run four Feistel rounds ``(L, R) -> (R, L ^ F(R, key, round))``, where
    ``F`` is a 64-bit mixing hash. Each round is invertible, so the result is
@@ -50,6 +53,20 @@ def seed_key(*parts: int) -> int:
     return int(acc)
 
 
+# Up to this size a permutation is an argsort of keyed hashes: uniform, and a
+# few hundred KB at most. Feistel networks on tiny domains are far from uniform.
+_SMALL = 1 << 16
+
+
+@functools.lru_cache(maxsize=64)
+def _small_permutation(n: int, key: int) -> np.ndarray:
+    salt = np.uint64(seed_key(key, n))
+    hashes = mix64(np.arange(n, dtype=np.uint64) ^ salt)
+    perm = np.argsort(hashes, kind="stable")
+    perm.flags.writeable = False
+    return perm
+
+
 @functools.lru_cache(maxsize=4096)
 def _round_keys(key: int) -> tuple[np.uint64, ...]:
     return tuple(np.uint64(seed_key(key, r)) for r in range(_ROUNDS))
@@ -69,6 +86,8 @@ def permute(positions: np.ndarray | int, n: int, key: int) -> np.ndarray:
     pos = np.asarray(positions, dtype=np.int64)
     if n <= 1:
         return pos.copy()
+    if n <= _SMALL:
+        return _small_permutation(n, key)[pos]
     half_bits = max(1, (int(n - 1).bit_length() + 1) // 2)
     half_mask = np.uint64((1 << half_bits) - 1)
     shift = np.uint64(half_bits)

@@ -1,0 +1,279 @@
+"""Checkpoints: exact resume at every cut point, bounded replay, elastic resume, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import assert_restores_everywhere, assert_same, collect, per_lane
+from test_determinism import CONFIG, PIPELINES, full_chain
+
+import zephon_torch as zt
+from zephon_torch.checkpoint import merge_states
+from zephon_torch.pipeline import Pipeline
+
+K, CHUNK = CONFIG["flush_every_k_chunks"], CONFIG["chunk_size"]
+
+
+def items_pipe(n: int = 80, **config: Any) -> Pipeline:
+    config.setdefault("num_lanes", 3)
+    config.setdefault("chunk_size", 4)
+    texts = [f"doc {i} " + "word " * (i % 9) for i in range(n)]
+    return zt.Pipeline.from_items(texts, **config)
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_every_operator_restores_exactly_at_random_cut_points(
+        name: str, corpus_dir: Path, tokenizer: Any) -> None:
+    pipe = PIPELINES[name](corpus_dir, tokenizer)
+    total = len(collect(pipe, runner="inline"))
+    rng = random.Random(name)
+    cuts = sorted(rng.sample(range(total + 1), min(total + 1, 12)))
+    assert_restores_everywhere(
+        pipe, cut_points=cuts,
+        resume_settings=[{"runner": "inline"}, {"runner": "threads", "num_workers": 2}],
+        max_replayed_per_lane=max(K, 1) * CHUNK,
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["streaming", "block", "block_warmup"])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_full_chain_restores_at_every_cut_point(
+        algorithm: str, drop_last: bool, corpus_dir: Path, tokenizer: Any) -> None:
+    pipe = full_chain(corpus_dir, tokenizer, drop_last=drop_last, algorithm=algorithm)
+    assert_restores_everywhere(
+        pipe, resume_settings=[{"runner": "inline"}, {"runner": "threads", "num_workers": 3}],
+        max_replayed_per_lane=K * CHUNK,
+    )
+
+
+def test_resume_on_the_process_runner(corpus_dir: Path, tokenizer: Any) -> None:
+    pipe = full_chain(corpus_dir, tokenizer)
+    assert_restores_everywhere(pipe, cut_points=[0, 7, 23],
+                               resume_settings=[{"runner": "process", "num_workers": 2}])
+
+
+@pytest.mark.parametrize("flush_every", [None, 1, 3])
+def test_several_passes_and_many_epochs_restore_exactly(flush_every: int | None) -> None:
+    pipe = (items_pipe(40, passes=3, flush_every_k_chunks=flush_every, shuffle=True)
+            .map_transform(lambda p: {**p, "n": len(p["text"])})
+            .shuffle(6, seed=2).batch(4, drop_last=True))
+    assert_restores_everywhere(pipe, max_replayed_per_lane=max(flush_every or 8, 1) * 4)
+
+
+def test_order_preserving_plans_replay_at_most_one_chunk() -> None:
+    pipe = items_pipe().batch(3, drop_last=True)
+    assert pipe.flush_every() == 0
+    assert_restores_everywhere(pipe, max_replayed_per_lane=4)
+
+
+def test_the_state_reflects_what_the_caller_received() -> None:
+    pipe = items_pipe().shuffle(8, seed=0).batch(2)
+    it = pipe.iter(runner="threads", num_workers=2)
+    head = [next(it) for _ in range(5)]
+    for _ in range(20):  # let the engine run ahead: it must not move the state
+        it._pump()
+    state = it.state_dict()
+    it.close()
+    again = pipe.iter(runner="inline")
+    again.load_state_dict(state)
+    assert_same(collect(pipe, runner="inline"), head + list(again))
+
+
+def test_state_is_small_json_and_bounded_by_the_window() -> None:
+    pipe = items_pipe(2000, chunk_size=8).shuffle(16).batch(4)
+    sizes = []
+    it = pipe.iter(runner="inline")
+    for step, _ in enumerate(it):
+        if step in (10, 150, 300):
+            sizes.append(len(json.dumps(it.state_dict())))
+    assert max(sizes) < 2 * min(sizes)  # deep in the corpus, no bigger
+    assert max(sizes) < 4000
+
+
+def test_elastic_resume_on_other_world_sizes() -> None:
+    pipe = items_pipe(120, num_lanes=4, flush_every_k_chunks=2).shuffle(5).batch(2)
+    reference = per_lane(collect(pipe, runner="inline"))
+    states, heads = [], {}
+    for rank in range(2):
+        it = pipe.iter(runner="inline", rank=rank, world_size=2)
+        got = [next(it) for _ in range(7 + rank)]
+        states.append(it.state_dict())
+        it.close()
+        for lane, items in per_lane(got).items():
+            heads[lane] = items
+    merged = json.loads(json.dumps(merge_states(states)))
+    for world in (1, 3, 4):
+        lanes: dict[int, list] = {}
+        for rank in range(world):
+            it = pipe.iter(runner="inline", rank=rank, world_size=world)
+            it.load_state_dict(merged)
+            for lane, items in per_lane(list(it)).items():
+                lanes[lane] = items
+        for lane, items in reference.items():
+            assert_same(items, heads.get(lane, []) + lanes.get(lane, []),
+                        label=f"world {world} lane {lane}")
+
+
+def test_global_order_when_world_size_divides_num_lanes() -> None:
+    pipe = items_pipe(96, num_lanes=4).batch(2)
+    single = collect(pipe, runner="inline")
+    for world in (2, 4):
+        per_rank = [collect(pipe, runner="inline", rank=r, world_size=world)
+                    for r in range(world)]
+        steps = min(len(p) for p in per_rank)
+        for t in range(steps):
+            expected = single[world * t: world * t + world]
+            got = sorted((per_rank[r][t] for r in range(world)), key=lambda b: b.lane_ids[0])
+            assert_same(sorted(expected, key=lambda b: b.lane_ids[0]), got, f"step {t}")
+
+
+def test_same_topology_restores_the_round_robin_position() -> None:
+    pipe = items_pipe().batch(2, drop_last=False)
+    it = pipe.iter(runner="inline")
+    head = [next(it) for _ in range(4)]  # stops in the middle of a round
+    state = it.state_dict()
+    it.close()
+    resumed = pipe.iter(runner="inline")
+    resumed.load_state_dict(state)
+    assert_same(collect(pipe, runner="inline"), head + list(resumed))
+
+
+# ---------------------------------------------------------------- errors
+
+
+def saved_state(pipe: Pipeline, steps: int = 3) -> dict:
+    it = pipe.iter(runner="inline")
+    for _ in range(steps):
+        next(it)
+    state = it.state_dict()
+    it.close()
+    return state
+
+
+def test_fingerprint_mismatch_names_what_differs() -> None:
+    state = saved_state(items_pipe().batch(2))
+    with pytest.raises(ValueError, match="ops"):
+        items_pipe().batch(3).iter(runner="inline").load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        items_pipe(seed=5).batch(2).iter(runner="inline").load_state_dict(state)
+    with pytest.raises(ValueError, match="chunk_size"):
+        items_pipe(chunk_size=5).batch(2).iter(runner="inline").load_state_dict(state)
+
+
+def test_unknown_version_corruption_and_missing_lanes_are_clear_errors() -> None:
+    pipe = items_pipe(num_lanes=4).batch(2)
+    state = saved_state(pipe)
+    with pytest.raises(ValueError, match="unknown state version 99"):
+        pipe.iter(runner="inline").load_state_dict({**state, "version": 99})
+    edited = json.loads(json.dumps(state))
+    edited["lanes"]["0"]["outputs"] += 1
+    with pytest.raises(ValueError, match="checksum"):
+        pipe.iter(runner="inline").load_state_dict(edited)
+    with pytest.raises(ValueError, match="corrupted state"):
+        pipe.iter(runner="inline").load_state_dict({"version": 1, "lanes": []})
+    rank_state = saved_state(pipe.with_source(), steps=2)
+    it = pipe.iter(runner="inline", rank=0, world_size=2)
+    head = it.state_dict()
+    it.close()
+    with pytest.raises(ValueError, match=r"no entry for lane\(s\) \[1, 3\]"):
+        pipe.iter(runner="inline").load_state_dict(head)
+    assert rank_state["lanes"]
+
+
+def test_merge_rejects_overlapping_lanes() -> None:
+    pipe = items_pipe(num_lanes=4).batch(2)
+    state = saved_state(pipe)
+    with pytest.raises(ValueError, match="appears in two states"):
+        merge_states([state, state])
+
+
+def test_load_after_iterating_is_refused() -> None:
+    pipe = items_pipe().batch(2)
+    state = saved_state(pipe)
+    it = pipe.iter(runner="inline")
+    next(it)
+    with pytest.raises(RuntimeError, match="before iterating"):
+        it.load_state_dict(state)
+    it.close()
+
+
+def test_a_replay_that_cannot_meet_its_cursor_raises_naming_the_lane() -> None:
+    pipe = items_pipe(num_lanes=2, flush_every_k_chunks=2).shuffle(4).batch(2)
+    it = pipe.iter(runner="inline")
+    for _ in range(3):
+        next(it)
+    state = it.state_dict()
+    it.close()
+    lane = next(k for k, v in state["lanes"].items() if v["replay_cursor"] is not None)
+    state["lanes"][lane]["replay_cursor"] = [0, 0, [], [9, 9, 9]]
+    from zephon_torch.checkpoint import state_checksum
+
+    state["checksum"] = state_checksum(state)
+    resumed = pipe.iter(runner="inline")
+    resumed.load_state_dict(state)
+    with pytest.raises(RuntimeError, match=f"replay diverged on lane {lane}"):
+        list(resumed)
+
+
+# ---------------------------------------------------------------- kill and resume
+
+_CONSUMER = textwrap.dedent("""
+    import json, os, sys
+    import zephon_torch as zt
+    texts = [f"doc {i} " + "w " * (i % 11) for i in range(300)]
+    pipe = (zt.Pipeline.from_items(texts, num_lanes=3, chunk_size=5, flush_every_k_chunks=2)
+            .shuffle(7, seed=3).batch(3))
+    state_path, out_path = sys.argv[1], sys.argv[2]
+    it = pipe.iter(runner="inline")
+    if os.path.exists(state_path):
+        with open(state_path) as f:
+            it.load_state_dict(json.load(f))
+    for batch in it:
+        with open(out_path, "a") as f:
+            f.write(json.dumps([list(r.meta.sample_id) for r in batch]) + "\\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tmp = state_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(it.state_dict(), f)
+        os.replace(tmp, state_path)
+        if os.environ.get("SLOW"):
+            import time; time.sleep(0.01)
+""")
+
+
+def test_killed_consumer_resumes_from_its_saved_state(tmp_path: Path) -> None:
+    script = tmp_path / "consumer.py"
+    script.write_text(_CONSUMER)
+    state, out = tmp_path / "state.json", tmp_path / "out.jsonl"
+    reference = tmp_path / "ref.jsonl"
+    subprocess.run([sys.executable, str(script), str(tmp_path / "ref-state"), str(reference)],
+                   check=True, timeout=120)
+    proc = subprocess.Popen([sys.executable, str(script), str(state), str(out)],
+                            env={**os.environ, "SLOW": "1"})
+    deadline = 60
+    import time
+
+    start = time.time()
+    while (not out.exists() or len(out.read_text().splitlines()) < 20):
+        if time.time() - start > deadline:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # A step is "consumed" once the state after it is saved: keep exactly those lines.
+    saved = json.loads(state.read_text())
+    consumed = sum(v["outputs"] for v in saved["lanes"].values())
+    lines = out.read_text().splitlines()[:consumed]
+    out.write_text("".join(line + "\n" for line in lines))
+    subprocess.run([sys.executable, str(script), str(state), str(out)], check=True, timeout=120)
+    assert out.read_text() == reference.read_text()

@@ -160,10 +160,13 @@ class Engine:
         return all(stage.in_flight < self.max_in_flight for stage in self.stages)
 
     def _wait(self) -> None:
-        pending = [slot.future for stage in self.stages for slot in stage.slots
-                   if slot.future is not None and not slot.future.done()]
+        futures = [slot.future for stage in self.stages for slot in stage.slots
+                   if slot.future is not None]
+        pending = [f for f in futures if not f.done()]
         if pending:
             cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+        elif futures:
+            pass  # finished after this round looked at them: the next round releases them
         elif not self.deterministic:
             pass  # latency-bound flushes will fire on the next poll
         else:  # nothing can move: a bug, never a silent hang

@@ -277,3 +277,56 @@ def test_killed_consumer_resumes_from_its_saved_state(tmp_path: Path) -> None:
     out.write_text("".join(line + "\n" for line in lines))
     subprocess.run([sys.executable, str(script), str(state), str(out)], check=True, timeout=120)
     assert out.read_text() == reference.read_text()
+
+
+def test_saving_right_after_a_restore_or_a_few_items_later_resumes_exactly() -> None:
+    pipe = items_pipe(120, flush_every_k_chunks=2).shuffle(5).batch(2)
+    reference = collect(pipe, runner="inline")
+    for k in range(0, len(reference), 4):
+        it = pipe.iter(runner="inline")
+        head = [next(it) for _ in range(k)]
+        state = json.loads(json.dumps(it.state_dict()))
+        it.close()
+        again = pipe.iter(runner="inline")
+        again.load_state_dict(state)
+        assert not again.started
+        chained = json.loads(json.dumps(again.state_dict()))  # before any item
+        middle = [next(again) for _ in range(min(2, len(reference) - k))]
+        later = again.state_dict()
+        again.close()
+        for saved, got in ((chained, []), (later, middle)):
+            resumed = pipe.iter(runner="inline")
+            resumed.load_state_dict(saved)
+            assert_same(reference, head + got + list(resumed), label=f"k={k}")
+
+
+def test_chained_checkpoints_in_random_configurations() -> None:
+    rng = random.Random(7)
+    for trial in range(12):
+        n, lanes, chunk = rng.randint(20, 90), rng.randint(1, 4), rng.randint(1, 8)
+        period, size = rng.choice([None, 1, 2, 8]), rng.randint(1, 4)
+        pipe = (zt.Pipeline.from_items([f"d{i} " + "x " * (i % 5) for i in range(n)],
+                                       num_lanes=lanes, chunk_size=chunk,
+                                       flush_every_k_chunks=period)
+                .shuffle(rng.randint(1, 10), seed=trial).batch(size, drop_last=rng.random() < .5))
+        reference = collect(pipe, runner="inline")
+        for k in sorted(rng.sample(range(len(reference) + 1), min(3, len(reference) + 1))):
+            it = pipe.iter(runner="inline")
+            head = [next(it) for _ in range(k)]
+            state = json.loads(json.dumps(it.state_dict()))
+            it.close()
+            for extra in (0, 1, 3):
+                first = pipe.iter(runner="inline")
+                first.load_state_dict(state)
+                middle = [next(first) for _ in range(min(extra, len(reference) - k))]
+                second_state = json.loads(json.dumps(first.state_dict()))
+                first.close()
+                second = pipe.iter(runner="inline")
+                second.load_state_dict(second_state)
+                assert_same(reference, head + middle + list(second),
+                            label=f"trial {trial}, cut {k}, then {extra}")
+
+
+def test_no_sentinels_with_a_reordering_operator_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"flush_every_k_chunks=0 .*\['shuffle'\]"):
+        items_pipe(flush_every_k_chunks=0).shuffle(4).batch(2).iter(runner="inline")

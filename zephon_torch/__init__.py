@@ -5,7 +5,7 @@ standard library only; torch, torchdata, Lightning and Ray are imported by the
 integration modules that need them, when they are used.
 """
 
-from zephon_torch import sources
+from zephon_torch import _torch_hook, sources
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.types import (
     ContributorRef,
@@ -27,3 +27,7 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# A pipeline passes isinstance(pipe, torch.utils.data.IterableDataset) once torch is
+# imported, without this package importing torch (see _torch_hook.py).
+_torch_hook.install()

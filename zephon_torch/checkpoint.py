@@ -165,7 +165,7 @@ class LaneProgress:
             last = self.cursor_epoch
         return first, last
 
-    def snapshot(self, next_state: Callable[[int], ScheduleState | None],
+    def snapshot(self, next_state: Callable[[int, bool], ScheduleState | None],
                  num_lanes: int) -> dict[str, Any]:
         """This lane's part of a state (``next_state(g)`` gives unregistered chunks' states)."""
         span = self.window()
@@ -178,14 +178,14 @@ class LaneProgress:
             if self.cursor_epoch is not None and self.cursor_epoch >= first:
                 cursor = _key_to_json(self.cursor)
                 count = sum(n for e, n in self.delivered_in_epoch.items() if first <= e <= last)
-        if self.finished or self.exhausted:
+        if self.finished:
             nxt: ScheduleState | None = None
         else:
             next_chunk = window[-1] + 1 if window else self.registered_until
             if next_chunk in self.chunks:  # registered already (a later epoch): known
                 nxt = self.chunks[next_chunk].start
-            else:
-                nxt = next_state(next_chunk * num_lanes + self.lane)
+            else:  # still to be replayed, or new (None when the schedule has no more)
+                nxt = next_state(next_chunk * num_lanes + self.lane, self.exhausted)
         boundaries = []
         if window and self.flush_every:
             boundaries = sorted({(c // self.flush_every) * self.flush_every for c in window})
@@ -316,10 +316,9 @@ class ReplayFilterAccumulator(Accumulator):
     def has_pending_data(self, lane_id: int | None = None) -> bool:
         return False
 
-    @property
-    def replaying(self) -> bool:
-        """Whether some lane is still dropping replayed records."""
-        return bool(self._targets)
+    def pending_lanes(self) -> set[int]:
+        """The lanes still dropping replayed records (their cursor not met yet)."""
+        return set(self._targets)
 
 
 class ReplayFilter(Operator):

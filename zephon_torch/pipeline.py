@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ from zephon_torch.sources.base import Dataset
 
 if TYPE_CHECKING:
     from zephon_torch.runners.iterator import PipelineIterator
+    from zephon_torch.torch.dataset import TorchIterableDataset
 
 __all__ = ["CompiledStage", "Pipeline", "SourceConfig"]
 
@@ -313,9 +314,16 @@ class Pipeline:
     def flush_every(self) -> int:
         """The effective flush-sentinel period (0: no sentinels)."""
         configured = self._source.flush_every_k_chunks
+        reorders = [op.name for op in self._ops if not op.traits().preserves_cursor_order]
+        if configured == 0 and reorders:
+            raise ValueError(
+                f"flush_every_k_chunks=0 (no flush sentinels) needs an order-preserving plan, "
+                f"but {reorders} reorder(s) records: their state would span the whole run and "
+                "no checkpoint could resume it; leave flush_every_k_chunks=None (8) or set a "
+                "positive period"
+            )
         if configured is not None:
             return configured
-        reorders = any(not op.traits().preserves_cursor_order for op in self._ops)
         return _DEFAULT_FLUSH_EVERY if reorders else 0
 
     def stage_names(self) -> list[str]:
@@ -418,8 +426,26 @@ class Pipeline:
             rank=rank, world_size=world_size, microbatch_sizes=microbatch_sizes, lanes=lanes,
         )
 
-    def __iter__(self) -> PipelineIterator:
-        return self.iter()
+    def to_torch_dataset(self, **iter_kwargs: Any) -> TorchIterableDataset:
+        """This pipeline as a torch ``IterableDataset`` with ``state_dict``/``load_state_dict``.
+
+        See :class:`zephon_torch.torch.dataset.TorchIterableDataset` (imports torch).
+        """
+        from zephon_torch.torch.dataset import TorchIterableDataset
+
+        return TorchIterableDataset(self, **iter_kwargs)
+
+    def __iter__(self) -> Iterator[Any]:
+        # Inside a torch DataLoader worker, take this worker's share of the lanes
+        # (the check never imports torch; see _torch_hook.py).
+        from zephon_torch._torch_hook import worker_lanes
+
+        share = worker_lanes(self._source.num_lanes)
+        if share is None:
+            return self.iter()
+        if not share:
+            return iter(())
+        return self.iter(runner="inline", lanes=share)
 
     def __repr__(self) -> str:
         chain = "".join(f".{name}()" for name in self.stage_names())

@@ -145,6 +145,7 @@ class PipelineIterator:
         self.flush_every = pipeline.flush_every()
         self._fingerprint = pipeline.fingerprint()
         self._started = False
+        self._loaded: Mapping[str, Any] = {"lanes": {}}
         self._build()
 
     def _build(self, resume: Mapping[str, Any] | None = None) -> None:
@@ -332,8 +333,15 @@ class PipelineIterator:
         from zephon_torch.checkpoint import STATE_VERSION, fingerprint_parts, state_checksum
 
         num_lanes = self.pipeline.source.num_lanes
+        # A lane still replaying has delivered nothing new: its position is the loaded one.
+        replaying = self._replay_filter_stage.acc.pending_lanes() | {
+            lane for lane in self.lanes
+            if str(lane) in self._loaded["lanes"]
+            and self.progress.lanes[lane].outputs == self._loaded["lanes"][str(lane)]["outputs"]
+        }
         lanes = {
-            str(lane): self.progress.lanes[lane].snapshot(self._next_state, num_lanes)
+            str(lane): (dict(self._loaded["lanes"][str(lane)]) if lane in replaying else
+                        self.progress.lanes[lane].snapshot(self._next_state, num_lanes))
             for lane in self.lanes
         }
         state = {
@@ -346,8 +354,11 @@ class PipelineIterator:
         state["checksum"] = state_checksum(state)
         return state
 
-    def _next_state(self, global_chunk: int) -> Any:
-        if self.emitter.finished:
+    def _next_state(self, global_chunk: int, exhausted: bool) -> Any:
+        pending = self.emitter.pending_replay(global_chunk)
+        if pending is not None:
+            return pending
+        if exhausted or self.emitter.finished:
             return None
         return self.emitter.state_of(global_chunk)
 
@@ -377,7 +388,13 @@ class PipelineIterator:
                 f"{sorted(int(k) for k in state['lanes'])}); merge every rank's state with "
                 "zephon_torch.checkpoint.merge_states() before resuming on another world size"
             )
+        self._loaded = state
         self._build(resume=state)
+
+    @property
+    def started(self) -> bool:
+        """Whether iteration has begun (a state can no longer be loaded)."""
+        return self._started
 
     def _resume_plan(self, state: Mapping[str, Any], replay_filter: Any,
                      key_from_json: Any) -> tuple[Any, dict[int, int], list[Any]]:
@@ -394,6 +411,12 @@ class PipelineIterator:
             replay.extend(window)
             progress = self.progress.lanes[lane]
             progress.outputs = int(entry["outputs"])
+            first_chunk = (int(entry["window"][0][0]) if entry["window"] else
+                           None if entry["next"] is None else
+                           int(entry["next"][0]) // num_lanes)
+            if first_chunk is not None:  # epochs before the window are done
+                progress.done_epoch = progress.epoch_of(first_chunk)
+                progress.registered_until = first_chunk
             if entry["replay_cursor"] is not None and window:
                 window_end = max(int(row[0]) for row in entry["window"])
                 replay_filter.targets[lane] = (key_from_json(entry["replay_cursor"]),
@@ -404,7 +427,6 @@ class PipelineIterator:
             else:
                 nxt = ScheduleState.from_json(entry["next"])
                 lane_next[lane] = nxt.global_chunk
-                progress.registered_until = nxt.global_chunk // num_lanes
                 starts.append(nxt)
         rr = state.get("round_robin")
         if rr and rr.get("lanes") == list(self.lanes):

@@ -147,8 +147,18 @@ class SourceEmitter:
             records.append(flush_sentinel(chunk.lane_id, chunk.chunk_id + 1))
         return records
 
+    def pending_replay(self, global_chunk: int) -> ScheduleState | None:
+        """The start state of a chunk still waiting to be replayed, if it is one."""
+        for pending in self._replay:
+            if pending.global_chunk == global_chunk:
+                return pending
+        return None
+
     def state_of(self, global_chunk: int) -> ScheduleState | None:
         """The schedule state at a global chunk not yet emitted (None: past the end)."""
+        pending = self.pending_replay(global_chunk)
+        if pending is not None:
+            return pending
         state = self.state
         while state.global_chunk < global_chunk:
             components, state = self.schedule.advance(state)

@@ -1,0 +1,254 @@
+"""A pipeline inside torch's DataLoader and torchdata's StatefulDataLoader (real ones)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
+
+import zephon_torch as zt  # noqa: E402
+from zephon_torch.torch import TorchIterableDataset, merged_state  # noqa: E402
+
+StatefulDataLoader = stateful.StatefulDataLoader
+# torchdata's own deprecation notice, and torch's advice on a 2-core CI machine.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),
+    pytest.mark.filterwarnings("ignore:This DataLoader will create"),
+]
+NUM_DOCS = 64
+
+
+def make_pipe(num_lanes: int = 4) -> zt.Pipeline:
+    items = [{"text": f"doc {i}"} for i in range(NUM_DOCS)]
+    return zt.Pipeline.from_items(items, num_lanes=num_lanes, chunk_size=4).shuffle(8).batch(2)
+
+
+def ids(batch: Any) -> list[tuple[int, ...]]:
+    return [r.meta.sample_id for r in batch]
+
+
+def run_ids(iterable: Any) -> list[list[tuple[int, ...]]]:
+    return [ids(batch) for batch in iterable]
+
+
+@pytest.fixture(scope="module")
+def pipe() -> zt.Pipeline:
+    return make_pipe()
+
+
+@pytest.fixture(scope="module")
+def expected(pipe: zt.Pipeline) -> list[list[tuple[int, ...]]]:
+    return run_ids(pipe.iter(runner="inline"))
+
+
+def test_expected_stream_covers_every_document_once(expected: list[list[tuple]]) -> None:
+    flat = [sid for batch in expected for sid in batch]
+    assert len(flat) == NUM_DOCS == len(set(flat))
+
+
+# ---------------------------------------------------------------- the virtual subclass
+
+
+def test_pipeline_is_an_iterable_dataset_once_torch_is_imported(pipe: zt.Pipeline) -> None:
+    assert isinstance(pipe, IterableDataset)
+    assert issubclass(zt.Pipeline, IterableDataset)
+
+
+@pytest.mark.parametrize("order", ["zephon_first", "torch_first"])
+def test_registration_works_whichever_package_is_imported_first(order: str) -> None:
+    first, second = ("zephon_torch", "torch") if order == "zephon_first" else ("torch",
+                                                                              "zephon_torch")
+    code = (
+        f"import sys\nimport {first}\n"
+        "alone = 'torch' in sys.modules\n"
+        f"import {second}\n"
+        "import zephon_torch as zt\n"
+        "from torch.utils.data import IterableDataset\n"
+        "pipe = zt.Pipeline.from_items(['a', 'b'], num_lanes=2, chunk_size=1)\n"
+        "finders = [type(f).__name__ for f in sys.meta_path]\n"
+        "print(alone, isinstance(pipe, IterableDataset), '_DatasetFinder' in finders)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    # zephon_torch alone pulls in no torch; torch alone obviously does.
+    assert out == [str(order == "torch_first"), "True", "False"]
+
+
+# ---------------------------------------------------------------- plain torch DataLoader
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_plain_dataloader_over_a_pipeline_matches_our_order(
+        pipe: zt.Pipeline, expected: list[list[tuple]], num_workers: int) -> None:
+    loader = DataLoader(pipe, batch_size=None, num_workers=num_workers)
+    got = run_ids(loader)
+    flat = [sid for batch in got for sid in batch]
+    assert len(flat) == len(set(flat)) == NUM_DOCS  # no duplication, full coverage
+    assert got == expected  # lanes produce equally here, so even the order is ours
+
+
+def test_more_workers_than_lanes_leaves_the_extra_worker_idle() -> None:
+    pipe = make_pipe(num_lanes=2)
+    got = run_ids(DataLoader(pipe, batch_size=None, num_workers=3))
+    assert got == run_ids(pipe.iter(runner="inline"))
+
+
+def test_wrapper_in_workers_follows_the_rank(pipe: zt.Pipeline) -> None:
+    dataset = pipe.to_torch_dataset(rank=1, world_size=2)
+    got = run_ids(DataLoader(dataset, batch_size=None, num_workers=2))
+    assert got == run_ids(pipe.iter(runner="inline", rank=1, world_size=2))
+    assert {b.lane_ids[0] for b in pipe.iter(runner="inline", rank=1, world_size=2)} == {1, 3}
+
+
+# ---------------------------------------------------------------- the explicit wrapper
+
+
+def test_to_torch_dataset_returns_a_real_iterable_dataset(pipe: zt.Pipeline) -> None:
+    dataset = pipe.to_torch_dataset(runner="inline")
+    assert type(dataset) is TorchIterableDataset
+    assert isinstance(dataset, IterableDataset)
+    assert dataset.pipeline is pipe
+
+
+def test_wrapper_resumes_outside_workers_with_the_thread_runner(
+        pipe: zt.Pipeline, expected: list[list[tuple]]) -> None:
+    dataset = pipe.to_torch_dataset(runner="threads", num_workers=2)
+    it = iter(dataset)
+    head = [ids(next(it)) for _ in range(5)]
+    state = json.loads(json.dumps(dataset.state_dict()))
+    dataset.close()
+    fresh = pipe.to_torch_dataset(runner="threads", num_workers=2)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state  # before iterating: the state to resume from
+    assert head + run_ids(fresh) == expected
+
+
+def test_state_before_any_item_resumes_to_the_same_place(
+        pipe: zt.Pipeline, expected: list[list[tuple]]) -> None:
+    dataset = pipe.to_torch_dataset(runner="inline")
+    it = iter(dataset)
+    head = [ids(next(it)) for _ in range(6)]
+    again = pipe.to_torch_dataset(runner="inline")
+    again.load_state_dict(dataset.state_dict())
+    iter(again)  # loaded, nothing delivered yet: the state must still be the position
+    third = pipe.to_torch_dataset(runner="inline")
+    third.load_state_dict(again.state_dict())
+    assert head + run_ids(third) == expected
+
+
+def test_wrapper_takes_per_worker_states_and_merges_them(
+        pipe: zt.Pipeline, expected: list[list[tuple]]) -> None:
+    states = []
+    heads = []
+    for lanes in ([0, 2], [1, 3]):
+        it = pipe.iter(runner="inline", lanes=lanes)
+        heads.append(run_ids(next(it) for _ in range(3)))
+        states.append(it.state_dict())
+    dataset = pipe.to_torch_dataset(runner="inline")
+    dataset.load_state_dict(states)
+    got = run_ids(dataset)
+    flat = [sid for batch in heads[0] + heads[1] + got for sid in batch]
+    assert sorted(flat) == sorted(sid for batch in expected for sid in batch)
+    assert len(flat) == len(set(flat))
+
+
+def test_wrapper_rejects_bad_arguments_and_states(pipe: zt.Pipeline) -> None:
+    with pytest.raises(ValueError, match="unknown iter"):
+        pipe.to_torch_dataset(batch_size=4)
+    with pytest.raises(TypeError, match="Pipeline"):
+        TorchIterableDataset([1, 2, 3])  # type: ignore[arg-type]
+    dataset = pipe.to_torch_dataset()
+    with pytest.raises(ValueError, match="not a pipeline state"):
+        dataset.load_state_dict({"_snapshot": {}})
+    other = make_pipe(num_lanes=2).iter(runner="inline").state_dict()
+    dataset.load_state_dict(other)
+    with pytest.raises(ValueError, match="different pipeline configuration"):
+        iter(dataset)
+
+
+def test_wrapper_pickles_without_its_live_iterator(pipe: zt.Pipeline) -> None:
+    dataset = pipe.to_torch_dataset(runner="threads", num_workers=2)
+    it = iter(dataset)
+    next(it)
+    clone = pickle.loads(pickle.dumps(dataset))
+    assert clone.state_dict()["lanes"].keys() == dataset.state_dict()["lanes"].keys()
+    dataset.close()
+
+
+# ---------------------------------------------------------------- StatefulDataLoader
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_resumes_exactly(
+        pipe: zt.Pipeline, expected: list[list[tuple]], num_workers: int) -> None:
+    total = len(expected)
+    for k in (0, 3, 11, total - 1):
+        loader = StatefulDataLoader(pipe.to_torch_dataset(), batch_size=None,
+                                    num_workers=num_workers)
+        it = iter(loader)
+        head = [ids(next(it)) for _ in range(k)]
+        # Through JSON, as a real checkpoint would carry it.
+        state = json.loads(json.dumps(loader.state_dict()))
+        del it, loader
+        resumed = StatefulDataLoader(pipe.to_torch_dataset(), batch_size=None,
+                                     num_workers=num_workers)
+        resumed.load_state_dict(state)
+        assert head + run_ids(resumed) == expected, f"saved after {k} batches"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_saves_right_after_a_restore(
+        pipe: zt.Pipeline, expected: list[list[tuple]], num_workers: int) -> None:
+    loader = StatefulDataLoader(pipe.to_torch_dataset(), batch_size=None,
+                                num_workers=num_workers)
+    it = iter(loader)
+    head = [ids(next(it)) for _ in range(5)]
+    state = loader.state_dict()
+    del it, loader
+    second = StatefulDataLoader(pipe.to_torch_dataset(), batch_size=None,
+                                num_workers=num_workers)
+    second.load_state_dict(state)
+    it = iter(second)
+    again = second.state_dict()  # restored, nothing taken yet
+    del it, second
+    third = StatefulDataLoader(pipe.to_torch_dataset(), batch_size=None,
+                               num_workers=num_workers)
+    third.load_state_dict(again)
+    assert head + run_ids(third) == expected
+
+
+def test_stateful_dataloader_with_an_idle_worker_resumes() -> None:
+    pipe = make_pipe(num_lanes=2)
+    expected = run_ids(pipe.iter(runner="inline"))
+    loader = StatefulDataLoader(pipe.to_torch_dataset(), batch_size=None, num_workers=3)
+    it = iter(loader)
+    head = [ids(next(it)) for _ in range(7)]
+    state = loader.state_dict()
+    del it, loader
+    resumed = StatefulDataLoader(pipe.to_torch_dataset(), batch_size=None, num_workers=3)
+    resumed.load_state_dict(state)
+    assert head + run_ids(resumed) == expected
+
+
+def test_worker_states_merge_into_one_global_state(
+        pipe: zt.Pipeline, expected: list[list[tuple]]) -> None:
+    loader = StatefulDataLoader(pipe.to_torch_dataset(), batch_size=None, num_workers=2)
+    it = iter(loader)
+    head = [ids(next(it)) for _ in range(9)]
+    state = merged_state(loader.state_dict())
+    del it, loader
+    assert sorted(state["lanes"]) == ["0", "1", "2", "3"]
+    rest = pipe.iter(runner="inline")
+    rest.load_state_dict(state)  # any consumer, any worker count
+    assert head + run_ids(rest) == expected
+    with pytest.raises(ValueError, match="no pipeline state"):
+        merged_state({"_snapshot": {}})

@@ -1,0 +1,295 @@
+"""A pipeline as a stateful torch ``IterableDataset``.
+
+:class:`TorchIterableDataset` is what ``pipe.to_torch_dataset()`` returns. It
+keeps the :class:`~zephon_torch.Pipeline` an immutable description and holds
+the one thing that changes, the *live* iterator, plus a state waiting to be
+resumed from.
+
+**Lanes per worker.** Outside a DataLoader worker, ``iter(dataset)`` runs the
+rank's lanes. Inside worker ``w`` of ``N`` it runs ``rank_lanes[w::N]`` (on
+the inline runner unless ``runner=`` says otherwise: a torch worker is
+already a process of its own). torch asks its workers round-robin, so with
+lanes that produce equally the loader's order is our own iterator's order.
+
+**Checkpoints.** ``state_dict()`` is the live iterator's state: the position
+after the last item it handed out. ``load_state_dict(state)`` stores the state
+and the next ``iter()`` loads it into the new iterator, which takes its own
+lanes (a state holding more lanes, a merged global one for instance, is
+fine). That is all torchdata's ``StatefulDataLoader`` needs, in both of its
+modes:
+
+* ``num_workers=0``: it calls ``state_dict()`` on the dataset in the main
+  process, and on restore ``load_state_dict`` then ``iter()``;
+* ``num_workers=N``: each worker process calls ``state_dict()`` on its own
+  copy of the dataset after each item it produces and ships the state with
+  the item; the loader keeps, per worker, the state that came with the last
+  item the *caller* received. On restore each worker gets its own state back
+  (``load_state_dict`` before ``iter()``), holding exactly its lanes.
+
+A worker that owns no lane has nothing to save: its state is ``{}``, and
+loading ``{}`` means "start fresh". :func:`merged_state` turns a loader's
+checkpoint (per-worker states nested inside torchdata's own dict) into one
+global pipeline state, for ``pipe.iter().load_state_dict`` or any other
+worker count.
+
+Between a load and the first item the live iterator hands out, its own
+``state_dict()`` does not yet describe the loaded position (it would restart
+the replay windows), so the wrapper answers with the loaded state itself,
+narrowed to the iterator's lanes (see :class:`LiveIterator`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch.utils.data
+
+from zephon_torch._torch_hook import worker_lanes
+from zephon_torch.checkpoint import merge_states, state_checksum
+from zephon_torch.pipeline import Pipeline
+from zephon_torch.runners.iterator import PipelineIterator, owned_lanes, resolve_topology
+
+__all__ = ["LiveIterator", "TorchIterableDataset", "merged_state"]
+
+_ITER_KWARGS = frozenset({"runner", "num_workers", "deterministic", "rank", "world_size",
+                          "microbatch_sizes", "lanes"})
+_STATE_KEYS = frozenset({"version", "fingerprint", "lanes", "checksum"})
+
+
+def check_iter_kwargs(iter_kwargs: Mapping[str, Any]) -> None:
+    """Raise ValueError for a keyword ``Pipeline.iter`` does not take."""
+    unknown = sorted(set(iter_kwargs) - _ITER_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"unknown iter() argument(s) {unknown}; Pipeline.iter takes {sorted(_ITER_KWARGS)}"
+        )
+
+
+def is_pipeline_state(value: Any) -> bool:
+    """Whether ``value`` looks like a ``PipelineIterator.state_dict()``."""
+    return isinstance(value, Mapping) and set(value) >= _STATE_KEYS
+
+
+def narrow_state(state: Mapping[str, Any], lanes: Sequence[int]) -> dict[str, Any]:
+    """The part of ``state`` that concerns ``lanes``, with a fresh checksum.
+
+    The round-robin position is kept when it was saved for exactly these
+    lanes; otherwise it is dropped, and loading recomputes it from per-lane
+    progress, as it did when ``state`` itself was loaded.
+    """
+    keys = {str(lane) for lane in lanes}
+    if set(state["lanes"]) == keys:
+        return dict(state)
+    narrowed = {k: v for k, v in state.items() if k != "checksum"}
+    narrowed["lanes"] = {k: v for k, v in state["lanes"].items() if k in keys}
+    rr = state.get("round_robin")
+    if not (isinstance(rr, Mapping) and rr.get("lanes") == sorted(int(k) for k in keys)):
+        narrowed["round_robin"] = None
+    narrowed["checksum"] = state_checksum(narrowed)
+    return narrowed
+
+
+class LiveIterator:
+    """A :class:`PipelineIterator` that knows its resume state until it moves.
+
+    Deliberately not "stateful" in torchdata's sense (no ``state_dict`` /
+    ``load_state_dict``): the dataset answers for it, so a loader saves the
+    position once, not twice.
+
+    Args:
+        iterator: A fresh iterator, with ``resume`` already loaded if given.
+        resume: The state loaded into it, or None.
+    """
+
+    def __init__(self, iterator: PipelineIterator, resume: Mapping[str, Any] | None) -> None:
+        self.iterator = iterator
+        self._resume = None if resume is None else narrow_state(resume, iterator.lanes)
+        self.pid = os.getpid()
+
+    def __iter__(self) -> LiveIterator:
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self.iterator)
+        self._resume = None  # from now on the iterator's own state is the truth
+        return item
+
+    def position(self) -> dict[str, Any]:
+        """The state after the last item handed out (the resume state before any)."""
+        if self._resume is not None:
+            return dict(self._resume)
+        return self.iterator.state_dict()
+
+    def close(self) -> None:
+        """Release the iterator's workers, unless they belong to another process."""
+        # A forked DataLoader worker inherits this object but not its threads or
+        # child processes: closing them there could wait forever.
+        if self.pid == os.getpid():
+            self.iterator.close()
+
+
+class TorchIterableDataset(torch.utils.data.IterableDataset):
+    """A pipeline as a torch ``IterableDataset``, with ``state_dict``/``load_state_dict``.
+
+    Args:
+        pipeline: The pipeline to run.
+        **iter_kwargs: Passed to :meth:`Pipeline.iter` (``runner``,
+            ``num_workers``, ``deterministic``, ``rank``, ``world_size``,
+            ``microbatch_sizes``, ``lanes``). Inside a torch DataLoader worker
+            ``runner`` defaults to ``"inline"`` and ``lanes`` to the worker's
+            share of the rank's lanes.
+
+    Raises:
+        TypeError: ``pipeline`` is not a :class:`~zephon_torch.Pipeline`.
+        ValueError: An unknown keyword for ``Pipeline.iter``.
+    """
+
+    def __init__(self, pipeline: Pipeline, **iter_kwargs: Any) -> None:
+        super().__init__()
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"TorchIterableDataset wraps a zephon_torch.Pipeline, got "
+                            f"{type(pipeline).__name__}")
+        check_iter_kwargs(iter_kwargs)
+        self.pipeline = pipeline
+        self.iter_kwargs = dict(iter_kwargs)
+        self._pending: dict[str, Any] | None = None
+        self._live: LiveIterator | None = None
+
+    # ------------------------------------------------------------------ iteration
+
+    def _plan(self) -> tuple[list[int], dict[str, Any]]:
+        """The lanes this process runs, and the keywords for ``Pipeline.iter``."""
+        kwargs = dict(self.iter_kwargs)
+        explicit = kwargs.pop("lanes", None)
+        num_lanes = self.pipeline.source.num_lanes
+        share = worker_lanes(num_lanes, kwargs.get("rank"), kwargs.get("world_size"), explicit)
+        if share is not None:
+            kwargs.setdefault("runner", "inline")
+            return share, kwargs
+        rank, world_size = resolve_topology(kwargs.get("rank"), kwargs.get("world_size"))
+        return owned_lanes(num_lanes, rank, world_size, explicit), kwargs
+
+    def __iter__(self) -> Iterator[Any]:
+        """A new iterator over this process's lanes, resuming a loaded state if any."""
+        self._drop_live()
+        lanes, kwargs = self._plan()
+        pending, self._pending = self._pending, None
+        if not lanes:
+            return iter(())
+        iterator = self.pipeline.iter(lanes=lanes, **kwargs)
+        if pending is not None:
+            try:
+                iterator.load_state_dict(pending)
+            except BaseException:
+                iterator.close()
+                raise
+        self._live = LiveIterator(iterator, pending)
+        return self._live
+
+    def _drop_live(self) -> None:
+        if self._live is not None:
+            self._live.close()
+            self._live = None
+
+    def close(self) -> None:
+        """Release the live iterator's workers (it is also released when it ends)."""
+        self._drop_live()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position to resume from, as JSON-able builtins.
+
+        The live iterator's position (after the last item it handed out);
+        before any iteration, the state waiting to be loaded, else the
+        start of this process's lanes; ``{}`` for a DataLoader worker that
+        owns no lane.
+        """
+        live = self._live
+        if live is not None and live.pid == os.getpid():
+            return live.position()
+        if self._pending is not None:
+            return dict(self._pending)
+        lanes, kwargs = self._plan()
+        if not lanes:
+            return {}
+        kwargs["runner"] = "inline"  # a state needs no worker pool
+        with self.pipeline.iter(lanes=lanes, **kwargs) as start:
+            return start.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Resume from ``state`` at the next ``iter()``.
+
+        Args:
+            state: A pipeline state (one rank's, one worker's or a merged
+                global one), a sequence of such states (merged here with
+                :func:`~zephon_torch.checkpoint.merge_states`), or ``{}``
+                (start fresh).
+
+        Raises:
+            ValueError: ``state`` is none of these.
+        """
+        if isinstance(state, Mapping):
+            if not state:
+                self._pending = None
+                return
+            if not is_pipeline_state(state):
+                raise ValueError(
+                    f"not a pipeline state (keys {sorted(state)[:6]}); to restore a torchdata "
+                    "StatefulDataLoader, call the loader's load_state_dict, or turn its state "
+                    "into a pipeline state with zephon_torch.torch.dataset.merged_state()"
+                )
+            self._pending = dict(state)
+            return
+        states = [s for s in state if s]
+        if not states or not all(is_pipeline_state(s) for s in states):
+            raise ValueError("load_state_dict takes a pipeline state or a sequence of them")
+        self._pending = merge_states(states) if len(states) > 1 else dict(states[0])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The live iterator (threads, pools) stays in the process that made it.
+        state = dict(self.__dict__)
+        state["_live"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return f"TorchIterableDataset({self.pipeline!r})"
+
+
+def merged_state(checkpoint: Any) -> dict[str, Any]:
+    """One global pipeline state out of a loader's checkpoint.
+
+    Collects every pipeline state nested in ``checkpoint`` (a torchdata
+    ``StatefulDataLoader.state_dict()``, with one state per worker, or a list
+    of states) and merges them, so the position can be loaded by
+    ``pipe.iter()``, another worker count or another world size.
+
+    Raises:
+        ValueError: No pipeline state inside, two states share a lane, or the
+            checkpoint records steps taken after its last snapshot (save with
+            ``snapshot_every_n_steps=1``, the default, to merge).
+    """
+    found: list[Mapping[str, Any]] = []
+
+    def walk(value: Any) -> None:
+        if is_pipeline_state(value):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            if value.get("steps_since_snapshot"):
+                raise ValueError(
+                    "the checkpoint was taken between snapshots (steps_since_snapshot="
+                    f"{value['steps_since_snapshot']}): its pipeline states are behind the "
+                    "loader; save with snapshot_every_n_steps=1 to merge them"
+                )
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(checkpoint)
+    if not found:
+        raise ValueError("the checkpoint holds no pipeline state")
+    return merge_states(found)

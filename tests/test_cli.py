@@ -1,0 +1,120 @@
+"""The ``zephon-torch`` command, run as a user would: ``python -m zephon_torch.cli ...``."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from corpus import documents, write_jsonl
+from fixtures_tokenizer import train_test_tokenizer
+
+from zephon_torch import cli
+from zephon_torch.runners.iterator import PipelineIterator
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "zephon_torch.cli", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("runner", ["threads", "process"])
+def test_demo_resumes_identically_and_reports_shapes_and_throughput(
+        tmp_path: Path, runner: str) -> None:
+    result = _cli("demo", "--docs", "800", "--seq-len", "64", "--runner", runner,
+                  "--num-workers", "2", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+
+    compared = re.search(r"resume: identical \((\d+) batches compared\)", out)
+    assert compared and int(compared.group(1)) > 0, out
+    batches = int(re.search(r"stop after (\d+) of (\d+) batches", out).group(2))
+    assert int(compared.group(1)) == batches - batches // 2
+
+    assert "input_ids [8, 64], labels [8, 64], positions [8, 64], cu_seqlens [8, " in out
+    rate = re.search(r": ([\d,]+) samples/s, ([\d,]+) tokens/s", out)
+    assert rate and int(rate.group(1).replace(",", "")) > 0
+    assert int(rate.group(2).replace(",", "")) > 0
+    assert re.search(r"800 documents read = \d+ delivered \+ \d+ tombstoned", out)
+    assert "positions (restart at each document): 0 1 2" in out
+
+    # What --out keeps: the corpus, the tokenizer and a JSON checkpoint.
+    assert len(list((tmp_path / "corpus").glob("*.jsonl"))) == 4
+    assert (tmp_path / "tokenizer.json").is_file()
+    state = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert {"version", "fingerprint", "lanes"} <= set(state)
+
+
+def test_demo_fails_with_status_1_when_the_resume_is_not_exact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A loader that ignores the checkpoint restarts from the beginning: the
+    # demo must notice and say so rather than print success.
+    monkeypatch.setattr(PipelineIterator, "load_state_dict", lambda self, state: None)
+    status = cli.main(["demo", "--docs", "300", "--seq-len", "64", "--runner", "inline",
+                       "--out", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "resume: DIFFERENT" in out and "resume: identical" not in out
+
+
+def test_importing_the_cli_does_not_import_torch() -> None:
+    code = "import sys, zephon_torch.cli; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_inspect_previews_batches_of_a_users_jsonl(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "a.jsonl", documents(150, seed=1))
+    write_jsonl(data / "b.jsonl", documents(150, seed=2))
+    _, tokenizer = train_test_tokenizer(tmp_path / "tok")
+
+    result = _cli("inspect", str(data / "*.jsonl"), "--tokenizer", str(tokenizer),
+                  "--seq-len", "32", "--batch-size", "4", "--batches", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "(jsonl; 300 documents)" in out
+    assert re.search(r"^batch 0 \(lane \d+\): 4 rows", out, re.M)
+    assert re.search(r"^batch 1 \(lane \d+\): 4 rows", out, re.M)
+    assert "input_ids [4, 32], labels [4, 32], positions [4, 32]" in out
+    assert re.search(r"padding \d+\.\d%", out)
+    assert re.search(r"doc 0 \(\d+ tokens\): '\w", out)
+    assert re.search(r"stats\(\): read [\d,]+, delivered \d+, tombstoned \d+", out)
+    assert "stage tokenize: {'microbatches'" in out
+
+
+def test_inspect_says_clearly_when_nothing_matches(tmp_path: Path) -> None:
+    result = _cli("inspect", str(tmp_path / "missing" / "*.jsonl"))
+    assert result.returncode == 2
+    assert "matches no file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bench_passes_arguments_through_to_the_benchmark() -> None:
+    result = _cli("bench", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "benchmarks/bench_NAME.py" in result.stdout
+    assert "usage: bench_pipeline.py" in result.stdout
+
+
+def test_bench_names_the_available_benchmarks_for_an_unknown_one() -> None:
+    result = _cli("bench", "no_such_thing")
+    assert result.returncode == 2
+    assert "no benchmark 'no_such_thing'; available:" in result.stderr
+    assert "pipeline" in result.stderr
+
+
+def test_bench_without_a_source_checkout_explains_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "_BENCHMARKS", tmp_path / "benchmarks")
+    assert cli.main(["bench"]) == 2
+    assert "source checkout" in capsys.readouterr().err

@@ -1,0 +1,538 @@
+"""The ``zephon-torch`` command: ``demo``, ``inspect`` and ``bench``.
+
+``zephon-torch demo`` is the first thing a new user runs. In a few seconds
+it shows the whole promise of the library on data it makes itself:
+
+1. it writes a corpus of generated documents with heavy-tailed lengths
+   (JSONL shards) and trains a byte-level BPE on it (nothing is downloaded);
+2. it runs the canonical pipeline, ``from_jsonl -> fetch -> decode_text ->
+   tokenize (EOS) -> pack_flat -> shuffle -> batch``, to the end with a
+   progress bar (samples/s and tokens/s), turning each batch into training
+   tensors with ``to_training`` as a training loop would;
+3. it prints a sample batch: the decoded documents of the first row, their
+   ``positions`` (restarting at 0 for each document) and ``cu_seqlens``;
+4. it runs the pipeline again, stops half-way and writes
+   ``iterator.state_dict()`` to a JSON file (the "crash");
+5. it builds a fresh pipeline and iterator, loads that file, runs to the end
+   and compares every batch with the uninterrupted run, printing ``resume:
+   identical (N batches compared)``, or exiting with status 1::
+
+       uninterrupted   b0 b1 b2 b3 b4 b5 b6 b7
+       interrupted     b0 b1 b2 b3 | state_dict() -> checkpoint.json
+       resumed                       b4 b5 b6 b7   == b4..b7 above, byte for byte
+
+``zephon-torch inspect 'data/*.jsonl' --tokenizer tokenizer.json`` previews
+a few batches of the user's own JSONL/Parquet/text files through the same
+pipeline (decoded text, shapes, padding, the iterator's ``stats()``).
+``zephon-torch bench [NAME] [ARGS]`` runs ``benchmarks/bench_NAME.py`` of a
+source checkout (``pipeline`` by default), passing the arguments through.
+
+The command imports torch only where tensors are made (``to_training``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from zephon_torch.pipeline import Pipeline
+from zephon_torch.types import SampleBatch
+
+__all__ = ["main"]
+
+_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+_SHARDS = 4
+_NUM_LANES = 4
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """Batches, samples and tokens per second: a tqdm bar on a terminal, plain lines otherwise.
+
+    Plain mode prints a line every ``every`` seconds (none for a short run);
+    the caller prints the final summary in both modes from :meth:`close`.
+    """
+
+    def __init__(self, label: str, *, total: int | None = None, enabled: bool = True,
+                 out: TextIO | None = None, every: float = 5.0) -> None:
+        self.label = label
+        self.out = out or sys.stdout
+        self.every = every
+        self.batches = self.samples = self.tokens = 0
+        self.started = self._shown = time.perf_counter()
+        self._bar: Any = None
+        if enabled and self.out.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:  # the plain lines will do
+                pass
+            else:
+                self._bar = tqdm(total=total, desc=f"  {label}", unit="batch", file=self.out,
+                                 dynamic_ncols=True, leave=True)
+
+    def rates(self) -> tuple[float, float, float]:
+        """Elapsed seconds, samples/s, tokens/s."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        return elapsed, self.samples / elapsed, self.tokens / elapsed
+
+    def update(self, samples: int, tokens: int) -> None:
+        """Count one batch of ``samples`` rows holding ``tokens`` non-pad tokens."""
+        self.batches += 1
+        self.samples += samples
+        self.tokens += tokens
+        now = time.perf_counter()
+        if self._bar is not None:
+            self._bar.update(1)
+            if now - self._shown >= 0.2:  # formatting every batch would cost more than it shows
+                _, per_sample, per_token = self.rates()
+                self._bar.set_postfix_str(f"{per_sample:,.0f} samples/s, "
+                                          f"{per_token:,.0f} tokens/s", refresh=False)
+                self._shown = now
+        elif now - self._shown >= self.every:
+            _, per_sample, per_token = self.rates()
+            print(f"  {self.label}: {self.batches} batches, {per_sample:,.0f} samples/s, "
+                  f"{per_token:,.0f} tokens/s", file=self.out, flush=True)
+            self._shown = now
+
+    def close(self) -> tuple[float, float, float]:
+        """Stop the bar; return :meth:`rates`."""
+        result = self.rates()
+        if self._bar is not None:
+            _, per_sample, per_token = result
+            self._bar.set_postfix_str(f"{per_sample:,.0f} samples/s, {per_token:,.0f} tokens/s")
+            self._bar.close()
+        return result
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _canonical(source: Pipeline, tokenizer: Any, *, seq_len: int, batch_size: int,
+               pad_id: int, field: str = "text", shuffle_buffer: int = 256,
+               seed: int = 0) -> Pipeline:
+    """``source -> fetch -> decode_text -> tokenize(EOS) -> pack_flat -> shuffle -> batch``."""
+    return (
+        source.fetch()
+        .decode_text(field)
+        .tokenize(tokenizer, field=field, special_tokens="eos")
+        .pack_flat(seq_len + 1, pad_token_id=pad_id)
+        .shuffle(shuffle_buffer, seed=seed + 1)
+        .batch(batch_size, drop_last=True)
+    )
+
+
+def _row_tokens(batch: SampleBatch) -> int:
+    """Non-pad tokens of a packed batch."""
+    return sum(len(r.payload["input_ids"]) - (r.meta.padding_length or 0) for r in batch)
+
+
+def _digest(batch: SampleBatch) -> str:
+    """What makes two batches the same: sample ids, tokens and positions of every row."""
+    h = hashlib.sha256()
+    for record in batch:
+        h.update(repr(record.meta.sample_id).encode())
+        for key in ("input_ids", "positions"):
+            h.update(np.ascontiguousarray(record.payload[key]).tobytes())
+    return h.hexdigest()
+
+
+def _consume(it: Iterator[SampleBatch], progress: _Progress, *,
+             limit: int | None = None) -> tuple[list[str], SampleBatch | None]:
+    """Take batches as a training loop would (``to_training`` included in the timing).
+
+    Returns the digest of every batch taken (at most ``limit``) and the first batch.
+    """
+    digests: list[str] = []
+    first = None
+    for batch in it:
+        batch.to_training(return_labels=True, return_cu_seqlens=True)
+        digests.append(_digest(batch))
+        if first is None:
+            first = batch
+        progress.update(len(batch), _row_tokens(batch))
+        if limit is not None and len(digests) >= limit:
+            break
+    return digests, first
+
+
+def _clip(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _runs(values: Sequence[int], starts: Sequence[int], limit: int = 3) -> str:
+    """``positions`` of a row, segment by segment: ``0 1 2 ... 36 | 0 1 ... 60 | ...``."""
+    parts = []
+    bounds = [*starts, len(values)]
+    for a, b in itertools.islice(itertools.pairwise(bounds), limit):
+        seg = list(values[a:b])
+        shown = seg if len(seg) <= 6 else [*seg[:3], "...", *seg[-2:]]
+        parts.append(" ".join(str(v) for v in shown))
+    more = " | ..." if len(bounds) - 1 > limit else ""
+    return " | ".join(parts) + more
+
+
+def _show_batch(batch: SampleBatch, tokenizer: Any, *, docs: int = 3, width: int = 72) -> None:
+    """Shapes of the training tensors, then one row: its documents, positions, cu_seqlens.
+
+    The row shown is the first holding several documents (row 0 when none
+    does), since that is where ``positions`` and ``cu_seqlens`` say something.
+    """
+    out = batch.to_training(return_labels=True, return_cu_seqlens=True,
+                            return_num_valid_tokens=True)
+    shapes = ", ".join(f"{k} {list(out[k].shape)}" for k in
+                       ("input_ids", "labels", "positions", "cu_seqlens"))
+    print(f"  tensors: {shapes} ({out['input_ids'].dtype}); "
+          f"{out['num_valid_tokens']:,} labels not ignored")
+    length = out["input_ids"].shape[1]
+    # Row i's segment starts: its cu_seqlens without the padding repeats of the length.
+    starts = [sorted({c for c in row if c < length}) for row in out["cu_seqlens"].tolist()]
+    row = next((i for i, s in enumerate(starts) if len(s) >= 3), 0)
+    ids = out["input_ids"][row].tolist()
+    padding = batch[row].meta.padding_length or 0
+    # The trailing padding is a segment of its own once it spans 2+ input positions.
+    documents = len(starts[row]) - (1 if padding > 1 else 0)
+    print(f"  row {row} holds {documents} document(s)"
+          + (f" and {padding} padding token{'s' if padding > 1 else ''}" if padding else "")
+          + f"; its cu_seqlens {[*starts[row], length]}")
+    print(f"  positions (restart at each document): "
+          f"{_runs(out['positions'][row].tolist(), starts[row])}")
+    bounds = [*starts[row], length]
+    for k in range(min(docs, documents)):
+        a, b = bounds[k], bounds[k + 1]
+        text = tokenizer.decode(ids[a:b], skip_special_tokens=True)
+        print(f"    doc {k} ({b - a} tokens): {_clip(text, width)!r}")
+
+
+@contextmanager
+def _workdir(out: str | None) -> Iterator[Path]:
+    if out:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+    else:
+        with tempfile.TemporaryDirectory(prefix="zephon-demo-") as tmp:
+            yield Path(tmp)
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def _write_corpus(folder: Path, texts: Sequence[str]) -> list[str]:
+    """JSONL shards, documents dealt round-robin; returns the paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for shard in range(_SHARDS):
+        path = folder / f"part-{shard:05d}.jsonl"
+        with path.open("w", encoding="utf-8") as f:
+            for i in range(shard, len(texts), _SHARDS):
+                f.write(json.dumps({"id": i, "text": texts[i]}) + "\n")
+        paths.append(str(path))
+    return paths
+
+
+def _demo_inputs(out: Path, args: argparse.Namespace) -> tuple[Any, Path, int]:
+    """Write the corpus, train and save the tokenizer; returns it, its path, the EOS id."""
+    from zephon_torch.demo import EOS, default_corpus, train_tokenizer
+
+    texts = default_corpus(args.docs, seed=args.seed)
+    paths = _write_corpus(out / "corpus", texts)
+    words = np.array([len(t.split()) for t in texts])
+    size = sum(os.path.getsize(p) for p in paths)
+    print(f"corpus:    {len(texts):,} documents in {_SHARDS} JSONL shards, "
+          f"{size / 1e6:.1f} MB, {int(np.median(words))} words median, "
+          f"{int(words.max()):,} max -> {out / 'corpus'}")
+    started = time.perf_counter()
+    tokenizer = train_tokenizer(texts)
+    tokenizer_path = out / "tokenizer.json"
+    tokenizer.save(str(tokenizer_path))
+    eos = tokenizer.token_to_id(EOS)
+    print(f"tokenizer: byte-level BPE, {tokenizer.get_vocab_size()} ids, trained in "
+          f"{time.perf_counter() - started:.1f} s, EOS {EOS} = {eos} -> {tokenizer_path}")
+    return tokenizer, tokenizer_path, eos
+
+
+def _accounting(stats: dict[str, Any]) -> str:
+    reasons: dict[str, int] = {}
+    for lane in stats["lanes"].values():
+        for reason, count in lane["tombstoned"].items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    because = f" {reasons}" if reasons else ""
+    return (f"{stats['read']:,} documents read = {stats['delivered']:,} delivered + "
+            f"{stats['tombstoned']:,} tombstoned{because}")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if args.docs < 1 or args.seq_len < 2 or args.batch_size < 1:
+        raise SystemExit("--docs and --batch-size must be >= 1 and --seq-len >= 2")
+    show = not args.no_progress
+    run = {"runner": args.runner, "num_workers": args.num_workers}
+    print("zephon-torch demo: the canonical pipeline on a generated corpus, checkpointed "
+          "mid-way and resumed exactly")
+    with _workdir(args.out) as out:
+        tokenizer, tokenizer_path, eos = _demo_inputs(out, args)
+
+        def build() -> Pipeline:
+            # Built from the files each time: a restarted job has its config, not our objects.
+            source = Pipeline.from_jsonl(str(out / "corpus" / "*.jsonl"), num_lanes=_NUM_LANES,
+                                         chunk_size=64, seed=args.seed)
+            return _canonical(source, str(tokenizer_path), seq_len=args.seq_len,
+                              batch_size=args.batch_size, pad_id=eos, seed=args.seed)
+
+        pipe = build()
+        print(f"pipeline:  {pipe}: rows of {args.seq_len + 1} tokens ({args.seq_len} inputs "
+              f"+ labels), batches of {args.batch_size}, {_NUM_LANES} lanes, "
+              f"runner={args.runner} x{args.num_workers}")
+        import torch  # noqa: F401  (to_training needs it: imported before the clock starts)
+
+        print("\n[1/3] uninterrupted run")
+        progress = _Progress("uninterrupted", enabled=show)
+        with pipe.iter(**run) as it:
+            reference, first = _consume(it, progress)
+            stats = it.stats()
+        elapsed, per_sample, per_token = progress.close()
+        print(f"  {progress.batches} batches, {progress.samples:,} samples (packed rows), "
+              f"{progress.tokens:,} tokens in {elapsed:.2f} s: {per_sample:,.0f} samples/s, "
+              f"{per_token:,.0f} tokens/s")
+        print(f"  accounting: {_accounting(stats)}")
+        if first is None or len(reference) < 2:
+            print("error: fewer than 2 batches; use more --docs or a smaller --seq-len")
+            return 1
+        print("\nsample batch (the first one):")
+        _show_batch(first, tokenizer)
+
+        cut = len(reference) // 2
+        checkpoint = out / "checkpoint.json"
+        print(f"\n[2/3] interrupted run: stop after {cut} of {len(reference)} batches, save "
+              f"state_dict()")
+        progress = _Progress("to checkpoint", total=cut, enabled=show)
+        with pipe.iter(**run) as it:
+            before, _ = _consume(it, progress, limit=cut)
+            checkpoint.write_text(json.dumps(it.state_dict()))
+        progress.close()
+        print(f"  {len(before)} batches; state -> {checkpoint} "
+              f"({checkpoint.stat().st_size / 1024:.1f} KiB of JSON)")
+
+        print(f"\n[3/3] resumed run: a fresh pipeline and iterator, load_state_dict() from "
+              f"{checkpoint.name}")
+        progress = _Progress("resumed", total=len(reference) - cut, enabled=show)
+        with build().iter(**run) as it:
+            it.load_state_dict(json.loads(checkpoint.read_text()))
+            after, _ = _consume(it, progress)
+        elapsed, _, _ = progress.close()
+        print(f"  {len(after)} batches in {elapsed:.2f} s")
+
+    if before == reference[:cut] and after == reference[cut:]:
+        print(f"\nresume: identical ({len(after)} batches compared)")
+        return 0
+    expected = reference[cut:]
+    mismatch = next((i for i, (a, b) in enumerate(zip(after, expected)) if a != b),
+                    min(len(after), len(expected)))
+    print(f"\nresume: DIFFERENT: {len(after)} batches after the checkpoint, {len(expected)} "
+          f"expected; first difference at batch {cut + mismatch}")
+    return 1
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def _source_for(pattern: str, fmt: str, **config: Any) -> Pipeline:
+    name = pattern.lower()
+    if fmt == "auto":
+        if ".parquet" in name:
+            fmt = "parquet"
+        elif any(ext in name for ext in (".jsonl", ".json", ".ndjson")):
+            fmt = "jsonl"
+        elif name.endswith((".txt", ".md", "*")):
+            fmt = "text"
+        else:
+            raise SystemExit(f"cannot tell the format of {pattern!r}; pass --format "
+                             "jsonl, parquet or text")
+    if fmt == "parquet":
+        return Pipeline.from_parquet(pattern, **config)
+    if fmt == "jsonl":
+        return Pipeline.from_jsonl(pattern, **config)
+    return Pipeline.from_text_files(pattern, **config)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from tokenizers import Tokenizer
+
+    from zephon_torch.ops.tokenize import Tokenize
+
+    config = {"num_lanes": args.num_lanes, "chunk_size": args.chunk_size, "seed": args.seed}
+    try:
+        source = _source_for(args.path, args.format, **config)
+        if args.tokenizer:
+            tokenizer = Tokenizer.from_file(args.tokenizer)
+            origin = args.tokenizer
+        else:
+            from zephon_torch.demo import train_tokenizer
+
+            sample_pipe = source.fetch().decode_text(args.field)
+            with sample_pipe.iter(runner="inline") as it:
+                texts = [r.payload[args.field] for _, r in zip(range(2000), it)]
+            tokenizer = train_tokenizer(texts)
+            origin = (f"a BPE trained on {len(texts)} of your documents (pass --tokenizer "
+                      "for your model's)")
+        # The operator resolves EOS the way the pipeline will, and says so if it cannot.
+        eos = Tokenize(tokenizer, field=args.field, special_tokens="eos").eos_token_id
+        pipe = _canonical(source, tokenizer, seq_len=args.seq_len, batch_size=args.batch_size,
+                          pad_id=eos if eos is not None else 0, field=args.field,
+                          shuffle_buffer=args.shuffle_buffer, seed=args.seed)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    datasets = source.source.datasets
+    print(f"source:    {args.path} ({', '.join(d.kind for d in datasets)}; "
+          f"{sum(len(d) for d in datasets):,} documents)")
+    print(f"tokenizer: {origin}; {tokenizer.get_vocab_size():,} ids, EOS id {eos}")
+    print(f"pipeline:  {pipe}: rows of {args.seq_len + 1}, batches of {args.batch_size}, "
+          f"{args.num_lanes} lanes")
+    total_rows = total_pad = total_slots = 0
+    with pipe.iter(runner=args.runner, num_workers=args.num_workers) as it:
+        for index in range(args.batches):
+            try:
+                batch = next(it)
+            except StopIteration:
+                print(f"(the data ends after {index} batches)")
+                break
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            pad = sum(r.meta.padding_length or 0 for r in batch)
+            slots = sum(len(r.payload["input_ids"]) for r in batch)
+            docs = [len(r.meta.contributors) for r in batch]
+            total_rows += len(batch)
+            total_pad += pad
+            total_slots += slots
+            print(f"\nbatch {index} (lane {batch.lane_ids[0]}): {len(batch)} rows, documents "
+                  f"per row {docs}, padding {pad / slots:.1%}")
+            _show_batch(batch, tokenizer, docs=args.docs_shown)
+        stats = it.stats()
+    if total_slots:
+        print(f"\n{total_rows} rows shown, padding {total_pad / total_slots:.1%} of "
+              f"{total_slots:,} token slots")
+    print(f"stats(): read {stats['read']:,}, delivered {stats['delivered']:,}, tombstoned "
+          f"{stats['tombstoned']:,} (the rest is in flight or buffered)")
+    for lane, entry in stats["lanes"].items():
+        print(f"  lane {lane}: {entry}")
+    for stage, counters in stats["stages"].items():
+        print(f"  stage {stage}: {counters}")
+    return 0
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def _bench(argv: Sequence[str]) -> int:
+    """Run ``benchmarks/bench_<name>.py`` with the remaining arguments."""
+    available = sorted(p.stem[len("bench_"):] for p in _BENCHMARKS.glob("bench_*.py"))
+    if not available:
+        print(f"zephon-torch bench runs the benchmarks of a source checkout, and there are "
+              f"none at {_BENCHMARKS} (an installed package does not ship them). Clone the "
+              f"repository and run it from there, or: python benchmarks/bench_pipeline.py",
+              file=sys.stderr)
+        return 2
+    argv = list(argv)
+    name = "pipeline"
+    if argv and not argv[0].startswith("-"):
+        name = argv.pop(0)
+    if name not in available:
+        print(f"no benchmark {name!r}; available: {', '.join(available)}", file=sys.stderr)
+        return 2
+    script = _BENCHMARKS / f"bench_{name}.py"
+    if argv in (["-h"], ["--help"]):
+        print(f"zephon-torch bench [NAME] [ARGS...]: runs benchmarks/bench_NAME.py "
+              f"(NAME: {', '.join(available)}; default pipeline) with ARGS. "
+              f"Its own options:\n", flush=True)
+    return subprocess.call([sys.executable, str(script), *argv])
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    from zephon_torch import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="zephon-torch",
+        description="zephon_torch: a deterministic, checkpointable data pipeline for LLM "
+                    "training on PyTorch.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "demo", help="generate a corpus, run the canonical pipeline, checkpoint, resume",
+        description="Generate a corpus, train a tokenizer, run the canonical pipeline with "
+                    "a progress bar, print a sample batch, checkpoint mid-way, resume in a "
+                    "fresh iterator and prove the continuation is identical.")
+    demo.add_argument("--runner", default="threads", choices=["inline", "threads", "process"])
+    demo.add_argument("--num-workers", type=int, default=2)
+    demo.add_argument("--docs", type=int, default=4000, help="documents to generate")
+    demo.add_argument("--seq-len", type=int, default=256,
+                      help="model sequence length (rows are one token longer, for labels)")
+    demo.add_argument("--batch-size", type=int, default=8)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", help="keep corpus, tokenizer and checkpoint here "
+                      "(default: a temporary folder)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    inspect = commands.add_parser(
+        "inspect", help="preview batches of your data through the canonical pipeline",
+        description="Preview batches of JSONL, Parquet or text files through the canonical "
+                    "pipeline: decoded text, shapes, padding, and the iterator's stats().")
+    inspect.add_argument("path", metavar="PATH_OR_GLOB", help="files (a glob or fsspec URL)")
+    inspect.add_argument("--tokenizer", help="tokenizer.json (default: a BPE trained on a "
+                         "sample of the data)")
+    inspect.add_argument("--seq-len", type=int, default=2048)
+    inspect.add_argument("--batches", type=int, default=3, help="batches to show")
+    inspect.add_argument("--batch-size", type=int, default=8)
+    inspect.add_argument("--field", default="text", help="the text field of each record")
+    inspect.add_argument("--format", default="auto", choices=["auto", "jsonl", "parquet", "text"])
+    inspect.add_argument("--num-lanes", type=int, default=8)
+    inspect.add_argument("--chunk-size", type=int, default=512)
+    inspect.add_argument("--shuffle-buffer", type=int, default=1024)
+    inspect.add_argument("--seed", type=int, default=0)
+    inspect.add_argument("--docs-shown", type=int, default=2, help="documents shown per batch")
+    inspect.add_argument("--runner", default="threads",
+                         choices=["inline", "threads", "process"])
+    inspect.add_argument("--num-workers", type=int, default=2)
+
+    commands.add_parser(
+        "bench", add_help=False, help="run a benchmark of a source checkout "
+        "(bench [NAME] [ARGS...]; NAME defaults to pipeline)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``zephon-torch``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":  # everything after it belongs to the benchmark
+        return _bench(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        return _demo(args) if args.command == "demo" else _inspect(args)
+    except BrokenPipeError:  # `zephon-torch inspect ... | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,7 @@ from zephon_torch.types import (
 
 __all__ = [
     "ContributorRef",
+    "DataLoader",
     "Pipeline",
     "SampleBatch",
     "SampleCursor",
@@ -27,6 +28,16 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # zephon_torch.DataLoader lives in the torch integration: imported on first use,
+    # so that `import zephon_torch` alone never imports torch.
+    if name == "DataLoader":
+        from zephon_torch.torch.loader import DataLoader
+
+        return DataLoader
+    raise AttributeError(f"module 'zephon_torch' has no attribute {name!r}")
 
 # A pipeline passes isinstance(pipe, torch.utils.data.IterableDataset) once torch is
 # imported, without this package importing torch (see _torch_hook.py).

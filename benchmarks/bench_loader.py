@@ -1,0 +1,324 @@
+"""zephon_torch.DataLoader against torch.utils.data.DataLoader, side by side.
+
+The job, the same for both: JSONL -> tokenize with EOS (the byte-level BPE
+of ``bench_pipeline.py``, trained on the fly once) -> first-fit packing into
+flat 2049-token rows (8 open bins) -> batches of 8 -> ``input_ids``,
+``labels`` (padding ignored) and ``positions`` tensors.
+
+* ``zephon``: ``zephon_torch.DataLoader(pipe, num_workers=N,
+  to_training={"return_labels": True})``: the pipeline's engine in a
+  process of its own with a pool of N worker processes;
+* ``torch``: ``torch.utils.data.DataLoader(PackedBatches(...),
+  batch_size=None, num_workers=N)`` over a hand-written ``IterableDataset``
+  whose worker ``k`` of ``N`` takes every N-th chunk of 512 lines, tokenizes
+  with ``encode_batch`` and packs and batches in numpy, as a careful user
+  would write it.
+
+Two measurements, each contender in a child process of its own, round-robin
+over several rounds (median reported):
+
+1. **throughput**: batches/s over the whole corpus, from the first batch to
+   the last (start-up, i.e. spawning processes and importing, is reported
+   apart as the time to the first batch); the ratio zephon/torch is printed
+   (target >= 1.0x);
+2. **data wait**: a training loop whose step is ``time.sleep(0.05)``; once
+   warm (after the first ``--warm`` steps) the mean time ``next()`` blocks,
+   as % of the step time (target < 1%).
+
+Run: ``.venv/bin/python benchmarks/bench_loader.py [--mb 20 --workers 0,2 --rounds 3]``.
+The corpus and the tokenizer are generated under ``benchmarks/.data`` once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_pipeline import EOS_TOKEN, ROW, make_corpus, make_tokenizer  # noqa: E402
+
+BATCH = 8
+BINS = 8
+CHUNK_LINES = 512
+STEP_SECONDS = 0.05
+
+
+# ---------------------------------------------------------------- the torch contender
+
+
+class _FirstFit:
+    """First-fit packing into rows of ``ROW`` tokens with ``BINS`` open bins."""
+
+    def __init__(self) -> None:
+        self.bins: list[list[np.ndarray]] = []
+        self.room: list[int] = []
+
+    def add(self, doc: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+        for start in range(0, len(doc), ROW):
+            piece = doc[start:start + ROW]
+            for i, room in enumerate(self.room):
+                if len(piece) <= room:
+                    self.bins[i].append(piece)
+                    self.room[i] -= len(piece)
+                    if self.room[i] == 0:
+                        self.room.pop(i)
+                        yield _row(self.bins.pop(i))
+                    break
+            else:
+                if len(self.bins) == BINS:
+                    fullest = int(np.argmin(self.room))
+                    self.room.pop(fullest)
+                    yield _row(self.bins.pop(fullest))
+                self.bins.append([piece])
+                self.room.append(ROW - len(piece))
+
+    def flush(self) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+        while self.bins:
+            self.room.pop(0)
+            yield _row(self.bins.pop(0))
+
+
+def _row(pieces: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
+    used = sum(len(p) for p in pieces)
+    tokens = np.zeros(ROW, dtype=np.int32)
+    tokens[:used] = np.concatenate(pieces)
+    positions = np.concatenate([np.arange(len(p), dtype=np.int32) for p in pieces]
+                               + [np.arange(ROW - used, dtype=np.int32)])
+    return tokens, positions, used
+
+
+def _collate(rows: list[tuple[np.ndarray, np.ndarray, int]]) -> dict[str, Any]:
+    import torch
+
+    tokens = torch.from_numpy(np.stack([r[0] for r in rows]).astype(np.int64))
+    positions = torch.from_numpy(np.stack([r[1] for r in rows])[:, :-1].astype(np.int64))
+    labels = tokens[:, 1:].clone()
+    for i, (_, _, used) in enumerate(rows):
+        labels[i, used - 1:] = -100  # labels that fall in the trailing padding
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": labels, "positions": positions}
+
+
+def packed_batches_dataset(files: list[str], tokenizer_path: str) -> Any:
+    """The hand-written ``IterableDataset`` (built here so torch is imported lazily)."""
+    import torch.utils.data
+
+    class PackedBatches(torch.utils.data.IterableDataset):
+        """Worker ``k`` of ``N``: chunks ``k, k+N, ...`` of 512 lines, packed and batched."""
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            from tokenizers import Tokenizer
+
+            info = torch.utils.data.get_worker_info()
+            worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+            tok = Tokenizer.from_file(tokenizer_path)
+            eos = tok.token_to_id(EOS_TOKEN)
+            packer = _FirstFit()
+            rows: list[tuple[np.ndarray, np.ndarray, int]] = []
+            for index, lines in enumerate(_chunks(files)):
+                if index % workers != worker:
+                    continue
+                texts = [json.loads(line)["text"] for line in lines]
+                for enc in tok.encode_batch(texts, add_special_tokens=False):
+                    for row in packer.add(np.array([*enc.ids, eos], dtype=np.int32)):
+                        rows.append(row)
+                        if len(rows) == BATCH:
+                            yield _collate(rows)
+                            rows = []
+            for row in packer.flush():
+                rows.append(row)
+                if len(rows) == BATCH:
+                    yield _collate(rows)
+                    rows = []
+            if rows:
+                yield _collate(rows)
+
+    return PackedBatches()
+
+
+def _chunks(files: list[str]) -> Iterator[list[bytes]]:
+    chunk: list[bytes] = []
+    for path in files:
+        with open(path, "rb") as fh:
+            for line in fh:
+                chunk.append(line)
+                if len(chunk) == CHUNK_LINES:
+                    yield chunk
+                    chunk = []
+    if chunk:
+        yield chunk
+
+
+# ---------------------------------------------------------------- the loaders
+
+
+# Larger micro-batches for the stateless stages: fewer hops between processes. A pure
+# performance knob (the output is the same byte for byte), shown apart from the defaults.
+TUNED = {"fetch": 512, "decode_text": 512, "tokenize": 256}
+
+
+def make_loader(name: str, files: list[str], tokenizer_path: str, workers: int) -> Any:
+    if name == "torch":
+        import torch.utils.data
+
+        return torch.utils.data.DataLoader(packed_batches_dataset(files, tokenizer_path),
+                                           batch_size=None, num_workers=workers)
+    from tokenizers import Tokenizer
+
+    import zephon_torch as zt
+    from zephon_torch.torch.loader import DataLoader
+
+    pipe = (
+        zt.Pipeline.from_jsonl(files, num_lanes=max(1, workers), chunk_size=CHUNK_LINES,
+                               shuffle=False)
+        .fetch().decode_text()
+        .tokenize(Tokenizer.from_file(tokenizer_path), special_tokens="eos")
+        .pack_flat(ROW, num_bins=BINS)
+        .batch(BATCH, drop_last=False)
+    )
+    sizes = TUNED if name == "zephon-tuned" and workers > 0 else None
+    return DataLoader(pipe, num_workers=workers, to_training={"return_labels": True},
+                      microbatch_sizes=sizes)
+
+
+def throughput(loader: Any) -> dict[str, Any]:
+    start = time.perf_counter()
+    it = iter(loader)
+    batches = 0
+    tokens = 0
+    first = None
+    for batch in it:
+        if first is None:
+            first = time.perf_counter()
+        batches += 1
+        tokens += int((batch["labels"] != -100).sum())
+    end = time.perf_counter()
+    if first is None:
+        raise SystemExit("the loader produced no batch")
+    return {"batches": batches, "tokens": tokens, "first_batch_s": first - start,
+            "batches_per_s": (batches - 1) / (end - first)}
+
+
+def data_wait(loader: Any, steps: int, warm: int) -> dict[str, Any]:
+    it = iter(loader)
+    waits = []
+    for step in range(warm + steps):
+        t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        if step >= warm:
+            waits.append(time.perf_counter() - t0)
+        time.sleep(STEP_SECONDS)  # the simulated training step, holding its batch
+        del batch  # freed by the step, as in a training loop, not while waiting
+    close = getattr(it, "close", None) or getattr(loader, "close", None)
+    if close is not None:
+        close()
+    del it
+    if not waits:
+        raise SystemExit("the corpus is too small for the data-wait measurement")
+    return {"steps": len(waits), "mean_ms": 1e3 * statistics.fmean(waits),
+            "p99_ms": 1e3 * float(np.percentile(waits, 99)), "max_ms": 1e3 * max(waits)}
+
+
+def run_child(args: argparse.Namespace) -> None:
+    files = args.files.split(",")
+    # Imports are paid before any clock starts.
+    import tokenizers  # noqa: F401
+    import torch  # noqa: F401
+
+    import zephon_torch.torch.loader  # noqa: F401
+
+    loader = make_loader(args.child, files, args.tokenizer, int(args.workers))
+    if args.measure == "throughput":
+        result = throughput(loader)
+    else:
+        result = data_wait(loader, args.steps, args.warm)
+    print(json.dumps(result))
+
+
+def child(name: str, workers: int, measure: str, files: list[Path], tokenizer: Path,
+          args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", name, "--measure", measure,
+           "--tokenizer", str(tokenizer), "--files", ",".join(str(f) for f in files),
+           "--workers", str(workers), "--steps", str(args.steps), "--warm", str(args.warm)]
+    out = subprocess.run(cmd, capture_output=True, text=True,
+                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if out.returncode != 0:
+        raise SystemExit(f"{name} {measure} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=20.0, help="corpus size")
+    parser.add_argument("--workers", default="0,2",
+                        help="comma-separated num_workers values, the same for both loaders")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60, help="measured steps (data wait)")
+    parser.add_argument("--warm", type=int, default=10, help="steps before measuring")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--files", help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        run_child(args)
+        return
+
+    corpus = make_corpus(args.mb)
+    tokenizer = make_tokenizer(corpus)
+    files = sorted(corpus.glob("*.jsonl"))
+    counts = [int(w) for w in str(args.workers).split(",")]
+    contenders = [(name, w) for w in counts
+                  for name in (["zephon", "zephon-tuned", "torch"] if w else ["zephon", "torch"])]
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in contenders}
+    for _ in range(args.rounds):
+        for name, w in contenders:
+            runs[(name, w)].append(child(name, w, "throughput", files, tokenizer, args))
+    print(f"loader benchmark: {args.mb:g} MB JSONL, tokenize + pack {ROW} + batch {BATCH}, "
+          f"{os.cpu_count()} CPUs, median of {args.rounds} rounds")
+    print("| loader | num_workers | batches | non-pad tokens | batches/s (min-max) "
+          "| first batch s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    rate = {}
+    for (name, w), rs in runs.items():
+        rates = [r["batches_per_s"] for r in rs]
+        rate[(name, w)] = statistics.median(rates)
+        print(f"| {name} | {w} | {rs[0]['batches']} | {rs[0]['tokens']:,} | "
+              f"{rate[(name, w)]:.1f} ({min(rates):.1f}-{max(rates):.1f}) | "
+              f"{statistics.median(r['first_batch_s'] for r in rs):.2f} |")
+    for w in counts:
+        line = f"num_workers={w}: zephon/torch {rate[('zephon', w)] / rate[('torch', w)]:.2f}x"
+        if w:
+            line += (f", zephon-tuned/torch {rate[('zephon-tuned', w)] / rate[('torch', w)]:.2f}x"
+                     f" (microbatch_sizes={TUNED})")
+        print(line)
+    print("target: >= 1.0x")
+
+    top = max(counts)
+    print(f"data wait with a simulated {STEP_SECONDS * 1e3:.0f} ms step, num_workers={top}, "
+          f"after {args.warm} warm-up steps, {args.steps} steps measured")
+    print("| loader | mean wait ms | % of step | p99 ms | max ms |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in ("zephon", "torch"):
+        w = child(name, top, "wait", files, tokenizer, args)
+        print(f"| {name} | {w['mean_ms']:.3f} | {w['mean_ms'] / (STEP_SECONDS * 1e3):.2%} | "
+              f"{w['p99_ms']:.3f} | {w['max_ms']:.3f} |")
+    print("target: zephon mean wait < 1% of the step")
+
+
+if __name__ == "__main__":
+    main()

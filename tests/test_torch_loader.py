@@ -1,0 +1,466 @@
+"""Tests for ``zephon_torch.torch.loader.DataLoader``: real torch, real processes.
+
+Every comparison is against ``pipe.iter()`` + ``to_training`` on the inline
+runner, by sample ids and tensors. The engine process, its pool workers,
+shared-memory segments and a two-process gloo group are all real.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import zephon_torch as zt
+from zephon_torch.runners import shm
+from zephon_torch.torch.loader import DataLoader
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _items(n: int = 40) -> list[dict[str, Any]]:
+    return [{"input_ids": np.arange(i, i + 9, dtype=np.int32), "text": f"doc {i}"}
+            for i in range(n)]
+
+
+def _pipe(n: int = 40, num_lanes: int = 4) -> zt.Pipeline:
+    # map_transform(dict) (a copy of each payload) gives the pool's workers real work;
+    # a builtin keeps them from importing this module (and torch) to unpickle it.
+    return (zt.Pipeline.from_items(_items(n), num_lanes=num_lanes, chunk_size=4)
+            .map_transform(dict).shuffle(8, seed=1).batch(2))
+
+
+def _reference(pipe: zt.Pipeline, **to_training: Any) -> list[dict[str, Any]]:
+    return [b.to_training(**to_training) for b in pipe.iter(runner="inline")]
+
+
+def _assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    assert [b["ids"] for b in got] == [b["ids"] for b in want]
+    for g, w in zip(got, want):
+        assert sorted(g) == sorted(w)
+        for key, value in w.items():
+            if isinstance(value, torch.Tensor):
+                assert g[key].dtype == value.dtype, key
+                assert torch.equal(g[key].cpu(), value), key
+            else:
+                assert g[key] == value, key
+
+
+def _segments(*owners: int) -> list[str]:
+    """Shared-memory segments owned by this process (the loader's, its pools') or ``owners``.
+
+    Segment names start with the owner's pid: the loader's transport segments
+    carry the training process's, the engine's pool segments the engine's.
+    """
+    prefixes = tuple(f"{shm.SEGMENT_PREFIX}{pid}-" for pid in (os.getpid(), *owners))
+    return [name for name in os.listdir(shm.segment_dir()) if name.startswith(prefixes)]
+
+
+def _descendants(pid: int) -> set[int]:
+    """Pids whose parent chain leads to ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is a process, zombies included (a zombie still has /proc/<pid>)."""
+    return os.path.exists(f"/proc/{pid}")
+
+
+def _wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = {pid for pid in pids if _exists(pid)}
+        if not alive:
+            return alive
+        time.sleep(0.05)
+    return {pid for pid in pids if _exists(pid)}
+
+
+def _engine_tree(it: Any) -> set[int]:
+    """The engine process and its pool workers, once all are up."""
+    pid = it.engine_pid
+    assert pid is not None
+    return {pid, *_descendants(pid)}
+
+
+def _assert_clean(tree: set[int]) -> None:
+    assert _wait_gone(tree) == set(), "engine or pool processes left behind"
+    assert multiprocessing.active_children() == []
+    assert _segments(*tree) == []
+
+
+# --------------------------------------------------------------------------- output
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "engine"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_output_equals_the_pipeline_iterator_with_to_training(in_process, num_workers):
+    pipe = _pipe()
+    with DataLoader(pipe, num_workers=num_workers, in_process=in_process) as loader:
+        got = list(loader)
+    _assert_same(got, _reference(pipe))
+    assert len(got) == 20
+    assert _segments() == []
+
+
+def test_to_training_options_reach_to_training_in_the_engine():
+    pipe = _pipe()
+    options = {"return_labels": True, "dtype": torch.int32, "return_num_valid_tokens": True}
+    got = list(DataLoader(pipe, to_training=options))
+    want = _reference(pipe, **options)
+    _assert_same(got, want)
+    assert got[0]["labels"].dtype == torch.int32
+    assert got[0]["input_ids"].shape == (2, 8)
+
+
+def test_to_training_false_yields_the_sample_batches():
+    pipe = _pipe()
+    got = list(DataLoader(pipe, to_training=False, num_workers=1))
+    want = list(pipe.iter(runner="inline"))
+    assert all(isinstance(b, zt.SampleBatch) for b in got)
+    assert got == want
+
+
+def test_device_cpu_places_tensors_on_the_cpu():
+    pipe = _pipe()
+    got = list(DataLoader(pipe, device="cpu", in_process=True))
+    _assert_same(got, _reference(pipe))
+    assert all(b["input_ids"].device.type == "cpu" and not b["input_ids"].is_pinned()
+               for b in got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_pins_and_copies_without_blocking():
+    pipe = _pipe()
+    want = _reference(pipe, return_labels=True)
+    loader = DataLoader(pipe, device="cuda", to_training={"return_labels": True})
+    assert loader.pin_memory  # pinned by default for a CUDA device
+    got = list(loader)
+    assert all(b["input_ids"].is_cuda and b["labels"].is_cuda for b in got)
+    _assert_same(got, want)
+    pinned = list(DataLoader(pipe, pin_memory=True, in_process=True))
+    assert all(b["input_ids"].is_pinned() for b in pinned)
+    _assert_same(pinned, _reference(pipe))
+
+
+# --------------------------------------------------------------------------- state
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "engine"])
+def test_state_after_k_batches_resumes_exactly_despite_prefetching(in_process):
+    pipe = _pipe()
+    want = _reference(pipe)
+    loader = DataLoader(pipe, in_process=in_process, prefetch_factor=3)
+    it = iter(loader)
+    head = [next(it) for _ in range(5)]
+    # Let the prefetch thread (and the engine behind it) run ahead of the caller.
+    deadline = time.monotonic() + 20
+    while not it._run.queue.full() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert it._run.queue.full()
+    state = loader.state_dict()
+    json.dumps(state)  # a checkpoint is plain JSON
+    assert loader.state_dict(gather=True) == state  # no process group: the local state
+    loader.close()
+
+    resumed = DataLoader(pipe, in_process=in_process)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state  # before iterating: the loaded position
+    tail = list(resumed)
+    _assert_same(head + tail, want)
+
+
+def test_state_before_iterating_is_the_beginning_and_after_the_end_is_empty():
+    pipe = _pipe()
+    loader = DataLoader(pipe, in_process=True)
+    start = loader.state_dict()
+    everything = list(loader)
+    end = loader.state_dict()
+
+    fresh = DataLoader(pipe, in_process=True)
+    fresh.load_state_dict(start)
+    _assert_same(list(fresh), everything)
+    done = DataLoader(pipe, in_process=True)
+    done.load_state_dict(end)
+    assert list(done) == []
+
+
+def test_iterating_again_starts_a_new_epoch_unless_a_state_was_loaded():
+    pipe = _pipe()
+    want = _reference(pipe)
+    loader = DataLoader(pipe, in_process=True)
+    _assert_same(list(loader), want)
+    _assert_same(list(loader), want)  # after the end: from the beginning
+    for i, _ in enumerate(loader):
+        if i == 3:
+            break
+    state = loader.state_dict()
+    _assert_same(list(loader), want)  # after a break: from the beginning too
+    loader.load_state_dict(state)
+    _assert_same(list(loader), want[4:])
+
+
+def test_a_new_iteration_ends_the_previous_one():
+    loader = DataLoader(_pipe(), in_process=True)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    next(second)
+    with pytest.raises(StopIteration):
+        next(first)
+
+
+def test_loading_a_state_of_another_pipeline_is_a_clear_error():
+    state = DataLoader(_pipe(), in_process=True).state_dict()
+    other = DataLoader(_pipe().with_source(seed=5), in_process=True)
+    with pytest.raises(ValueError, match="different pipeline configuration"):
+        other.load_state_dict(state)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _fails_on_doc_17(payload: dict[str, Any]) -> dict[str, Any]:
+    if payload["text"] == "doc 17":
+        raise KeyError("doc 17 is broken")
+    return payload
+
+
+def test_an_error_in_the_engine_reaches_the_caller_with_its_type_after_earlier_batches():
+    pipe = (zt.Pipeline.from_items(_items(), num_lanes=1, chunk_size=4)
+            .map_transform(_fails_on_doc_17).batch(2))
+    got = []
+    with pytest.raises(KeyError, match="doc 17 is broken") as info:
+        for batch in DataLoader(pipe, microbatch_sizes={"map_transform": 2}):
+            got.append(batch)
+    assert "engine process" in str(info.value.__cause__)
+    assert [b["ids"][0][2] for b in got] == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert multiprocessing.active_children() == [] and _segments() == []
+
+
+def test_torch_only_arguments_are_type_errors_that_say_what_to_do():
+    pipe = _pipe()
+    with pytest.raises(TypeError, match="batching lives in the pipeline"):
+        DataLoader(pipe, batch_size=8)
+    with pytest.raises(TypeError, match="batching lives in the pipeline"):
+        DataLoader(pipe, 8)
+    with pytest.raises(TypeError, match="to_training"):
+        DataLoader(pipe, collate_fn=lambda b: b)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        DataLoader(pipe, bogus=1)
+    with pytest.raises(TypeError, match="to the DataLoader itself"):
+        DataLoader(pipe, to_training={"device": "cpu"})
+    with pytest.raises(TypeError, match="unknown option"):
+        DataLoader(pipe, to_training={"return_lables": True})
+    with pytest.raises(ValueError, match=r"end it with \.batch"):
+        DataLoader(zt.Pipeline.from_items(_items()))
+    with pytest.raises(ValueError, match="on_uneven"):
+        DataLoader(pipe, on_uneven="wait")
+
+
+# --------------------------------------------------------------------------- lifetime
+
+
+def test_close_stops_the_engine_and_its_workers():
+    loader = DataLoader(_pipe(), num_workers=1)
+    it = iter(loader)
+    next(it)
+    tree = _engine_tree(it)
+    assert len(tree) >= 2  # the engine and its pool worker
+    loader.close()
+    _assert_clean(tree)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_break_then_garbage_collection_stops_the_engine():
+    loader = DataLoader(_pipe(), num_workers=1)
+    tree: set[int] = set()
+    for it_batch in loader:
+        tree = _engine_tree(loader._active())
+        del it_batch
+        break
+    gc.collect()  # the for loop's iterator is unreachable now
+    _assert_clean(tree)
+    assert loader.state_dict() is not None
+
+
+def test_an_exception_in_the_training_loop_stops_the_engine():
+    loader = DataLoader(_pipe(), num_workers=1)
+    tree: set[int] = set()
+    with pytest.raises(ZeroDivisionError):
+        for _ in loader:
+            tree = _engine_tree(loader._active())
+            _ = 1 / 0
+    gc.collect()
+    _assert_clean(tree)
+
+
+def test_dropping_the_loader_and_its_iterator_stops_the_engine():
+    loader = DataLoader(_pipe())
+    it = iter(loader)
+    next(it)
+    tree = _engine_tree(it)
+    del it, loader
+    gc.collect()
+    _assert_clean(tree)
+
+
+# A training script; spawned processes re-import it, so it imports little at the top.
+_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import zephon_torch as zt
+
+    if __name__ == "__main__":
+        from zephon_torch.torch.loader import DataLoader
+
+        items = [{"input_ids": np.arange(9)} for _ in range(40)]
+        pipe = zt.Pipeline.from_items(items, num_lanes=2, chunk_size=4).map_transform(dict)
+        loader = DataLoader(pipe.batch(2), num_workers=1)
+        it = iter(loader)
+        next(it)
+        time.sleep(0.5)  # the engine and its worker are up; leave without closing
+        print("engine", it.engine_pid, flush=True)
+        if sys.argv[1] == "kill":
+            time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_end_of_program_or_sigkill_stops_the_engine_without_leaks(tmp_path, how):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert line.startswith("engine"), proc.stderr.read()
+    engine = int(line.split()[1])
+    tree = {engine, *_descendants(engine)}
+    if how == "kill":
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)  # exit: must not hang joining the non-daemonic engine
+    assert _wait_gone(tree) == set()
+    if how == "exit":
+        assert proc.returncode == 0
+    # The engine of a killed trainer sweeps the segments it wrote; at a normal exit
+    # the loader does. Either way nothing of that process is left in /dev/shm.
+    assert [n for n in _segments(proc.pid, *tree) if not n.startswith(
+        f"{shm.SEGMENT_PREFIX}{os.getpid()}-")] == []
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def _uneven_pipe() -> zt.Pipeline:
+    # 40 items in chunks of 4 over 3 lanes: lane 0 gets 4 chunks, lanes 1 and 2 three.
+    # Two ranks: rank 0 owns lanes 0 and 2 (14 batches), rank 1 lane 1 (6 batches).
+    return (zt.Pipeline.from_items(_items(40), num_lanes=3, chunk_size=4)
+            .map_transform(dict).shuffle(8, seed=1).batch(2))
+
+
+def _rank_main(rank: int, port: int, out: str) -> None:
+    """One rank of the gloo group (run in a subprocess by the test below)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    pipe = _uneven_pipe()
+    report: dict[str, Any] = {}
+    steps = 0
+    for _ in DataLoader(pipe):
+        dist.all_reduce(torch.ones(1))  # a collective training step: would hang if uneven
+        steps += 1
+    report["stop"] = steps
+    report["continue"] = sum(1 for _ in DataLoader(pipe, on_uneven="continue",
+                                                   in_process=True))
+    loader = DataLoader(pipe, in_process=True)
+    it = iter(loader)
+    report["head"] = [next(it)["ids"] for _ in range(3)]
+    report["state"] = loader.state_dict(gather=True)
+    report["local"] = loader.state_dict()
+    loader.close()
+    Path(out).write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_uneven_ranks_stop_together_and_a_gathered_state_resumes_on_one_process(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    procs = []
+    for rank in range(2):
+        code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); "
+                f"from test_torch_loader import _rank_main; "
+                f"_rank_main({rank}, {port}, {str(tmp_path / f'rank{rank}.json')!r})")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env,
+                                      stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["stop"] for r in reports] == [6, 6]  # both stop when rank 1 runs out
+    assert [r["continue"] for r in reports] == [14, 6]
+    merged = reports[0]["state"]
+    assert merged == reports[1]["state"]
+    assert sorted(merged["lanes"]) == ["0", "1", "2"]
+    assert sorted(reports[0]["local"]["lanes"]) == ["0", "2"]
+
+    # One process resumes the merged state: per lane, what the two ranks delivered
+    # followed by what it delivers is the lane's uninterrupted stream.
+    pipe = _uneven_pipe()
+    lane_of: dict[str, int] = {}
+    full: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    for batch in pipe.iter(runner="inline", rank=0, world_size=1):
+        key = json.dumps(batch.to_training()["ids"])
+        lane_of[key] = batch.lane_ids[0]
+        full[batch.lane_ids[0]].append(key)
+    resumed = DataLoader(pipe, rank=0, world_size=1)
+    resumed.load_state_dict(merged)
+    delivered: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    for ids in reports[0]["head"] + reports[1]["head"]:
+        key = json.dumps(ids)
+        delivered[lane_of[key]].append(key)
+    for batch in resumed:
+        key = json.dumps([list(i) for i in batch["ids"]])
+        delivered[lane_of[key]].append(key)
+    assert delivered == full

@@ -1,0 +1,86 @@
+"""Distributed helpers for ``zephon_torch.DataLoader``: the per-step vote and the gather group.
+
+With ``on_uneven="stop"``, before handing a batch over, every rank says
+whether it has one; an ``all_reduce(MIN)`` turns that into "everyone has
+one", and the first rank to run out stops them all at the same step::
+
+    step      rank 0 (lanes 0, 2)    rank 1 (lane 1)     vote (MIN)   result
+    ...
+    6         batch                  batch               1            both train
+    7         batch                  end                 0            both stop
+
+Votes and state gathers go through a gloo group, on CPU tensors: a CUDA
+tensor (nccl) would need ``.item()``, a device synchronization per step.
+The default group serves when its backend includes gloo; otherwise one gloo
+group is created (collectively, on every rank) at first use and cached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["StepVote", "in_group", "vote_group"]
+
+
+_GROUPS: dict[int, Any] = {}  # default group id -> gloo group used for votes and gathers
+
+
+def in_group(rank: int, world_size: int) -> bool:
+    """Whether this loader's ranks are the initialized distributed group's (of 2+ ranks).
+
+    A loader given an explicit other topology (a sub-topology, a test) runs
+    alone: its peers are not the group's, so it takes part in no collective.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or world_size < 2:
+        return False
+    return (rank, world_size) == (dist.get_rank(), dist.get_world_size())
+
+
+def vote_group() -> Any:
+    """A gloo group over all ranks (None: the default group is gloo already)."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend()).lower()
+    if "gloo" in backend:
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _GROUPS:
+        try:
+            _GROUPS[key] = dist.new_group(backend="gloo")
+        except Exception:  # no gloo in this build: vote on the default (nccl) group
+            _GROUPS[key] = "default"
+    group = _GROUPS[key]
+    return None if group == "default" else group
+
+
+class StepVote:
+    """One ``all_reduce(MIN)`` per step of "this rank has a batch" (see the module doc)."""
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group = group
+        self.flag = torch.ones(1, dtype=torch.int32, device=device)
+
+    @classmethod
+    def create(cls, rank: int, world_size: int) -> StepVote | None:
+        """A vote over the distributed group, when there is one this loader belongs to."""
+        import torch.distributed as dist
+
+        if not in_group(rank, world_size):
+            return None
+        group = vote_group()
+        device = torch.device("cpu")
+        if group is None and "gloo" not in str(dist.get_backend()).lower():
+            device = torch.device("cuda", torch.cuda.current_device())
+        return cls(group, device)
+
+    def agree(self, have: bool) -> bool:
+        """Whether every rank has a batch for this step (a collective call)."""
+        import torch.distributed as dist
+
+        self.flag.fill_(1 if have else 0)
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(self.flag.item())

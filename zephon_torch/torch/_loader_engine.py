@@ -1,0 +1,443 @@
+"""The producers behind ``zephon_torch.DataLoader``: where the pipeline runs.
+
+A producer runs the pipeline's iterator and turns each item into an *event*:
+``("batch", payload, state)`` where ``payload`` is what the caller will get
+(``to_training`` output, or the ``SampleBatch``) and ``state`` is the
+iterator's ``state_dict()`` right after that item, then one
+``("end", state)``. Sending the state *with* the batch is what lets the
+loader prefetch freely and still checkpoint exactly: the loader keeps the
+state of the last batch it handed to the caller, never the state of what
+the engine has produced ahead.
+
+Two producers, one loop (:func:`run_pipeline`):
+
+* :class:`InProcessProducer` runs the iterator on the loader's prefetch
+  thread (``in_process=True``, for debugging);
+* :class:`EngineProcess` runs it in a process of its own, so the training
+  process keeps its GIL. Only finished batches cross over::
+
+    training process                               engine process (spawned, non-daemonic)
+    ────────────────                               ──────────────────────────────────────
+    prefetch thread                                PipelineIterator (+ its worker pool)
+      start(): spawn, send the spec ── control ──► load the state, iterate
+                                                   item.to_training(**kwargs)
+                                                   tensors -> numpy, one pickle (protocol 5),
+                                                   big buffers out of band into a /dev/shm
+                                                   segment (runners/shm.py's Writer)
+      recv ◄──────────────────────────── data ──── ("batch", BlockRef, state after it)
+      read the segment, unlink it,
+      numpy -> torch.from_numpy
+      credit ─────────────────────────── control ─► one more batch may be produced
+      ...                                          ("end", state) / ("error", ...)
+      stop ───────────────────────────── control ─► close the iterator and its pool, exit
+
+Flow control is by credits: the engine produces a batch only when it holds
+a credit; the loader grants ``credits`` at start and one more for each
+batch it takes off the pipe, so at most that many finished batches (and
+their segments) wait in transit.
+
+Segments are named ``<loader prefix>-<engine pid>-<seq>``, where the loader
+prefix (``shm.new_prefix()`` in the training process) starts with the
+*training* process's pid: they belong to the reader. The reader unlinks
+each segment as soon as it has copied it out; closing the producer sweeps
+whatever is left. An engine that finds its parent gone (a broken pipe)
+sweeps its own segments; if both die by ``SIGKILL``, the next pool or
+loader's ``shm.sweep_stale`` removes them (their owner pid is dead).
+
+Lifetime of the engine process: ``close()`` asks it to stop (it closes the
+iterator, which stops and joins its pool workers, and exits), waits, then
+sends ``SIGTERM`` (turned into ``SystemExit`` in the engine so that the
+same clean-up runs), then ``SIGKILL``. ``SIGINT`` is ignored in the engine:
+Ctrl-C reaches the whole process group, and the training process is the one
+that decides to stop. An engine whose parent dies sees end-of-file on its
+control pipe (or a broken data pipe) and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zephon_torch.runners import shm
+from zephon_torch.runners.process import WorkerTraceback
+
+__all__ = ["EngineProcess", "EngineSpec", "InProcessProducer", "run_pipeline"]
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_CREDIT = b"c"
+_STOP = b"s"
+# Batches up to this size travel inside the message: a few small records are
+# cheaper through the pipe than through a create/write/read/unlink of a file.
+_INLINE_LIMIT = 16 * 1024
+# Seconds an engine gets to stop by itself (it answers between two batches), then to
+# clean up after SIGTERM (which interrupts a long batch), before SIGKILL.
+_STOP_TIMEOUT = 2.0
+_TERM_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSpec:
+    """Everything a producer needs to run one iteration of a pipeline.
+
+    Attributes:
+        pipeline: The pipeline.
+        iter_kwargs: Arguments of ``pipeline.iter`` (runner, workers,
+            explicit rank and world size, ...).
+        state: A state to resume from, or None to start afresh.
+        to_training: ``to_training`` keyword arguments, or None to hand out
+            the ``SampleBatch`` (or record) itself.
+    """
+
+    pipeline: Any
+    iter_kwargs: Mapping[str, Any]
+    state: Mapping[str, Any] | None
+    to_training: Mapping[str, Any] | None
+
+
+def run_pipeline(spec: EngineSpec) -> Iterator[tuple]:
+    """The producer loop: ``("batch", payload, state)`` events, then ``("end", state)``.
+
+    The iterator is closed (its workers joined) when the generator ends or is closed.
+    """
+    it = spec.pipeline.iter(**spec.iter_kwargs)
+    try:
+        if spec.state is not None:
+            it.load_state_dict(spec.state)
+        kwargs = spec.to_training
+        for item in it:
+            payload = item if kwargs is None else item.to_training(**kwargs)
+            yield ("batch", payload, it.state_dict())
+        yield ("end", it.state_dict())
+    finally:
+        it.close()
+
+
+class InProcessProducer:
+    """Runs :func:`run_pipeline` on the calling (prefetch) thread."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self._spec = spec
+        self._events: Any = None
+
+    def events(self) -> Iterator[tuple]:
+        """The events, produced here and now."""
+        self._events = run_pipeline(self._spec)
+        return self._events
+
+    def credit(self) -> None:
+        """No flow control is needed: the prefetch queue bounds this producer."""
+
+    def close(self) -> None:
+        """Nothing to stop: the generator is closed by the thread that runs it."""
+
+
+# --------------------------------------------------------------------------- transport
+
+
+class _Array:
+    """A tensor on its way between processes, as a numpy array (pickled out of band)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def __reduce__(self) -> Any:
+        return (_Array, (self.array,))
+
+
+def _encode(payload: Any) -> Any:
+    """Tensors of a ``to_training`` dict become numpy arrays (one out-of-band buffer each)."""
+    if not isinstance(payload, dict):
+        return payload  # a SampleBatch: its numpy payloads already travel out of band
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return payload
+    out = {}
+    for key, value in payload.items():
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            # No numpy dtype (bfloat16): the tensor is pickled whole instead. The
+            # copy happens only for views (labels = tokens[:, 1:]).
+            with contextlib.suppress(TypeError, RuntimeError):
+                value = _Array(value.detach().contiguous().numpy())
+        out[key] = value
+    return out
+
+
+def _decode(payload: Any) -> Any:
+    if not isinstance(payload, dict):
+        return payload
+    import torch
+
+    return {k: torch.from_numpy(v.array) if type(v) is _Array else v for k, v in payload.items()}
+
+
+def _error_reply(exc: BaseException) -> bytes:
+    text = "".join(traceback.format_exception(exc))
+    blob: bytes | None
+    try:
+        blob = pickle.dumps(exc, protocol=_PROTOCOL)
+        pickle.loads(blob)  # an exception whose __init__ breaks unpickling fails here
+    except Exception:
+        blob = None
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    return pickle.dumps(("error", blob, name, str(exc), text), protocol=_PROTOCOL)
+
+
+def _remote_error(blob: bytes | None, name: str, message: str, text: str) -> BaseException:
+    exc: Any = None
+    if blob is not None:
+        with contextlib.suppress(Exception):
+            exc = pickle.loads(blob)
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(f"{name}: {message} (raised in the zephon loader's engine process; "
+                           f"it could not be pickled back)")
+    exc.__cause__ = WorkerTraceback(f"Traceback in the zephon loader's engine process:\n{text}")
+    return exc
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is not answering"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+# --------------------------------------------------------------------------- engine side
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Once: the clean-up that SystemExit triggers must not be interrupted again.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
+class _Orphaned(Exception):
+    """The training process is gone (a pipe of ours broke or hit end-of-file)."""
+
+
+def _recv(control: Any) -> bytes:
+    try:
+        return control.recv_bytes()
+    except (EOFError, OSError) as exc:
+        raise _Orphaned from exc
+
+
+def _send(data: Any, message: bytes) -> None:
+    try:
+        data.send_bytes(message)
+    except OSError as exc:
+        raise _Orphaned from exc
+
+
+def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: int) -> None:
+    """The engine process: receive the spec, iterate, send batches while credits last."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    own = f"{prefix}-{os.getpid()}"
+    writer = shm.Writer(directory, own, _INLINE_LIMIT)
+    orphaned = False  # nobody will read our segments any more
+    events: Any = None
+    try:
+        message = _recv(control)
+        if message == _STOP:
+            return
+        spec = pickle.loads(message)
+        del message
+        events = run_pipeline(spec)
+        while True:
+            # Wait for a credit before producing, and take every pending message
+            # (credits, or the stop) without waiting when there is one.
+            while credits == 0 or control.poll():
+                if _recv(control) == _STOP:
+                    return
+                credits += 1
+            event = next(events)
+            if event[0] == "end":
+                _send(data, pickle.dumps(event, protocol=_PROTOCOL))
+                return
+            _, payload, state = event
+            ref = writer.dump([_encode(payload)])
+            del payload, event
+            try:
+                _send(data, pickle.dumps(("batch", ref, state), protocol=_PROTOCOL))
+            except _Orphaned:
+                writer.discard(ref)
+                raise
+            credits -= 1
+    except _Orphaned:
+        orphaned = True
+    except SystemExit:
+        pass  # SIGTERM from the loader: clean up below and exit
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            data.send_bytes(_error_reply(exc))
+    finally:
+        if events is not None:
+            events.close()  # closes the pipeline iterator: joins its workers, frees its segments
+        if orphaned:
+            shm.sweep_prefix(directory, f"{own}-")
+
+
+# --------------------------------------------------------------------------- training side
+
+
+class EngineProcess:
+    """Runs the pipeline in a spawned, non-daemonic engine process (see the module doc).
+
+    :meth:`events` starts the process (on the calling thread, which is the
+    loader's prefetch thread, so the spawn overlaps the caller's work) and
+    yields its events; :meth:`close` stops it from any thread.
+
+    Args:
+        spec: What to run.
+        credits: Finished batches the engine may have in transit.
+    """
+
+    def __init__(self, spec: EngineSpec, credits: int) -> None:
+        import cloudpickle  # user functions in the pipeline travel by value
+
+        self._blob = cloudpickle.dumps(spec, protocol=_PROTOCOL)
+        self._credits = credits
+        self._directory = shm.segment_dir()
+        self._prefix = shm.new_prefix()
+        self._lock = threading.Lock()  # guards the control pipe and the process handle
+        self._closing = False
+        self._process: Any = None
+        self._control: Any = None
+        self._data: Any = None
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's pid once started (tests and diagnostics)."""
+        process = self._process
+        return None if process is None else process.pid
+
+    @property
+    def prefix(self) -> str:
+        """Name prefix of every segment this producer's engine writes."""
+        return self._prefix
+
+    def _start(self) -> bool:
+        ctx = multiprocessing.get_context("spawn")
+        with self._lock:
+            if self._closing:
+                return False
+            shm.sweep_stale(self._directory)
+            data_r, data_w = ctx.Pipe(duplex=False)
+            control_r, control_w = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=_engine_main, name="zephon-loader-engine", daemon=False,
+                args=(data_w, control_r, self._directory, self._prefix, self._credits),
+            )
+            try:
+                process.start()
+            finally:
+                data_w.close()  # the child has its copies; ours would hide its EOF
+                control_r.close()
+            self._process, self._control, self._data = process, control_w, data_r
+        # The spec goes as the first message rather than a process argument, and from
+        # this thread: a large pipeline (in-memory items) may take a while to send.
+        self._send(self._blob)
+        self._blob = b""
+        return True
+
+    def _send(self, message: bytes) -> None:
+        with self._lock:
+            if self._control is None or (self._closing and message != _STOP):
+                return
+            with contextlib.suppress(OSError):
+                self._control.send_bytes(message)
+
+    def credit(self) -> None:
+        """Let the engine produce one more batch."""
+        self._send(_CREDIT)
+
+    def events(self) -> Iterator[tuple]:
+        """Start the engine; yield ``("batch", payload, state)`` events, then ``("end", state)``.
+
+        Raises:
+            Exception: What the pipeline raised in the engine (same type and
+                message, the engine's traceback as ``__cause__``).
+            RuntimeError: The engine process died.
+        """
+        if not self._start():
+            return
+        data = self._data
+        try:
+            while True:
+                try:
+                    message = pickle.loads(data.recv_bytes())
+                except (EOFError, OSError):
+                    if self._closing:
+                        return
+                    self._process.join(timeout=1.0)
+                    raise RuntimeError(
+                        f"the zephon loader's engine process (pid {self._process.pid}) "
+                        f"{_describe_exit(self._process.exitcode)} before the end of the "
+                        "data; see its stderr. A training script that starts work at import "
+                        "time needs `if __name__ == \"__main__\":` (the engine is spawned "
+                        "and re-imports it), and a signal may mean the out-of-memory killer"
+                    ) from None
+                kind = message[0]
+                if kind == "batch":
+                    _, ref, state = message
+                    yield ("batch", _decode(self._read(ref)), state)
+                elif kind == "end":
+                    yield message
+                    return
+                else:
+                    raise _remote_error(*message[1:])
+        finally:
+            # Only this (reading) thread closes the data pipe: closing it under a
+            # blocked recv from another thread could hand its fd number to a new file.
+            with contextlib.suppress(OSError):
+                data.close()
+
+    def _read(self, ref: shm.BlockRef) -> Any:
+        """The batch of a block; its segment is unlinked at once and a credit sent."""
+        try:
+            payload = shm.load(ref, self._directory, copy=True)[0]
+        finally:
+            if ref.name is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self._directory, ref.name))
+        self.credit()
+        return payload
+
+    def close(self) -> None:
+        """Stop the engine (politely, then SIGTERM, then SIGKILL) and sweep its segments."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            process = self._process
+        if process is None:
+            return
+        self._send(_STOP)
+        process.join(timeout=_STOP_TIMEOUT)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=_TERM_TIMEOUT)
+        killed = process.is_alive()
+        if killed:
+            process.kill()
+            process.join()
+        with self._lock, contextlib.suppress(OSError):
+            self._control.close()
+        shm.sweep_prefix(self._directory, self._prefix)
+        if killed:  # its pool's segments are named after it, and it is dead now
+            shm.sweep_stale(self._directory)

@@ -1,0 +1,617 @@
+"""``zephon_torch.DataLoader``: a drop-in for ``torch.utils.data.DataLoader`` over a pipeline.
+
+Batching lives in the pipeline (``.batch(n)``), so the loader takes no
+``batch_size`` or ``collate_fn``; it yields ``batch.to_training(**kwargs)``
+dicts of tensors, optionally pinned and moved to a device, and it saves and
+restores its position like torchdata's ``StatefulDataLoader``::
+
+    loader = DataLoader(pipe, num_workers=4, to_training={"return_labels": True},
+                        device="cuda")
+    for step, batch in enumerate(loader):
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        ...
+        if step % 1000 == 0:
+            save({"model": ..., "data": loader.state_dict(gather=True)})
+
+How one iteration is laid out (``in_process=False``, the default)::
+
+    engine process (spawned)             training process
+    ────────────────────────             ──────────────────────────────────────────────
+    PipelineIterator + pool of           prefetch thread               main thread
+    num_workers processes                ───────────────               ───────────
+    to_training, state_dict()   ─shm──►  read + unlink the segment
+                                         pin, .to(device, non_blocking)
+                                         on a side CUDA stream
+                                         queue (prefetch_factor) ────► [vote: all ranks
+                                                                        have a batch?]
+                                                                       keep its state
+                                                                       yield the batch
+
+* **Where the work happens.** The pipeline's accumulators and its worker
+  pool run in a process of their own (see ``_loader_engine.py``), so the
+  training loop keeps its GIL; only finished batches cross over, their
+  arrays through shared memory. ``num_workers`` is the size of the
+  process runner's pool there (``0``: the inline runner, in the engine
+  process), not torch's worker processes. ``in_process=True`` runs the
+  iterator on the prefetch thread instead, for debugging.
+* **Overlap.** A prefetch thread holds up to ``prefetch_factor`` placed
+  batches: while the caller trains on batch ``n``, batch ``n+1`` is read,
+  pinned and copied with ``non_blocking=True`` on a side CUDA stream; the
+  caller's stream waits for that copy (an event, not a host sync) when the
+  batch is handed over, and ``record_stream`` keeps the caching allocator
+  from reusing its memory early.
+* **State per batch.** Every batch travels with the iterator's state right
+  after it. The loader keeps the state of the last batch *handed to the
+  caller*, so :meth:`DataLoader.state_dict` never counts what was only
+  prefetched, and loading it into a fresh loader continues exactly.
+* **Uneven ranks.** Ranks may own different numbers of lanes, and lanes end
+  at different times. With ``on_uneven="stop"`` and an initialized
+  ``torch.distributed`` group, the main thread takes one vote per step
+  before handing a batch over: an ``all_reduce(MIN)`` of "I have a batch",
+  so every rank stops at the step where the first one runs out and no
+  collective training step waits for a rank that has left. Its cost is one
+  one-element all-reduce per step on a gloo group, on CPU so that no CUDA
+  stream is synchronized: about 0.15 ms between two ranks of one host
+  (measured on a 2-core VM), a network round trip or two across hosts; and
+  the step waits for the slowest rank's data, which its gradient all-reduce
+  would wait for anyway. When the default
+  backend has no gloo (pure ``nccl``), a gloo group is created once,
+  collectively, at the first iteration; if gloo is unavailable the vote
+  goes through the default group on the current CUDA device and its
+  ``.item()`` synchronizes that device once per step. ``"continue"`` lets
+  each rank run to its own end.
+* **Epochs.** Iterating again after the end (or after a ``break``) starts
+  the pipeline over from the beginning, unless a state was loaded in
+  between. Starting a new iteration ends the previous one.
+* **Lifetime.** The engine process and its pool stop when the iteration
+  ends, when its iterator is closed (``close()``, a ``break`` followed by
+  garbage collection, an exception leaving the ``for`` loop), when the
+  loader is closed (``close()``, ``with``), and at interpreter exit (a
+  ``multiprocessing`` finalizer that runs before ``multiprocessing`` joins
+  its non-daemonic children).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import multiprocessing
+import multiprocessing.util
+import queue
+import threading
+import warnings
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from zephon_torch.checkpoint import check_state, merge_states, state_checksum
+from zephon_torch.pipeline import Pipeline
+from zephon_torch.runners.iterator import owned_lanes, resolve_topology
+from zephon_torch.torch._loader_dist import StepVote, in_group, vote_group
+from zephon_torch.torch._loader_engine import (
+    EngineProcess,
+    EngineSpec,
+    InProcessProducer,
+)
+from zephon_torch.torch._loader_place import Placer, with_index
+from zephon_torch.types import SampleBatch
+
+__all__ = ["DataLoader"]
+
+_RUNNERS = ("inline", "threads", "process")
+_ITER_KWARGS = ("deterministic", "microbatch_sizes", "lanes")
+_UNEVEN = ("stop", "continue")
+# Arguments of torch's DataLoader that have no meaning here, and what to do instead.
+_TORCH_ONLY = {
+    "batch_size": "batching lives in the pipeline: end it with .batch(microbatch_size)",
+    "collate_fn": "batches are collated by SampleBatch.to_training(); pass its options as "
+                  "to_training={...}",
+    "batch_sampler": "batching lives in the pipeline: end it with .batch(microbatch_size)",
+    "sampler": "ranks and lanes decide who reads what; order comes from the pipeline's "
+               "seeds and .shuffle()",
+    "shuffle": "shuffle in the pipeline with .shuffle(buffer_size, seed=...)",
+    "drop_last": "use .batch(microbatch_size, drop_last=...) in the pipeline",
+    "worker_init_fn": "per-worker set-up belongs in an operator's setup(ctx)",
+    "multiprocessing_context": "the engine and its workers are always spawned",
+    "generator": "randomness is a pure function of the pipeline's seeds and the data",
+    "persistent_workers": "the engine process lives for one iteration (one epoch)",
+    "timeout": "a dead engine or worker is detected and reported; there is no timeout",
+    "pin_memory_device": "pass device= (tensors are pinned, then copied there)",
+    "in_order": "pass deterministic=False for completion order",
+}
+_POLL = 0.1  # seconds between liveness checks while a thread waits on a queue
+
+
+# --------------------------------------------------------------------------- the loader
+
+
+class DataLoader:
+    """Iterates a pipeline's batches as training dicts, with an exact, saveable position.
+
+    Args:
+        pipeline: A :class:`~zephon_torch.Pipeline` (ending in ``.batch(n)``
+            unless ``to_training=False``).
+        num_workers: Worker processes of the process runner (``0``: the
+            inline runner). Not torch's worker processes.
+        to_training: ``None``: ``batch.to_training()`` with its defaults; a
+            dict: its keyword arguments; ``False``: yield the
+            :class:`~zephon_torch.SampleBatch` itself.
+        device: Where tensors go (``"cuda"``, ``"cuda:1"``, a
+            ``torch.device``); copies use ``non_blocking=True``.
+        pin_memory: Pin tensors before copying (``None``: pin when
+            ``device`` is a CUDA device). Ignored, with a warning, without CUDA.
+        prefetch_factor: Batches the prefetch thread prepares (pins, copies
+            to ``device``) ahead of the caller; the engine process may also
+            have ``prefetch_factor * max(1, num_workers)`` finished batches
+            in transit in shared memory (torch's "per worker" meaning).
+        runner: ``"inline"``, ``"threads"`` or ``"process"`` (default:
+            ``"process"`` when ``num_workers > 0``, else ``"inline"``).
+        in_process: Run the pipeline in the training process (on the
+            prefetch thread) instead of an engine process; for debugging.
+        on_uneven: ``"stop"``: under an initialized ``torch.distributed``
+            group every rank stops when the first runs out; ``"continue"``:
+            each rank runs to its own end. No effect without distributed.
+        rank, world_size: The topology (default: ``torch.distributed`` when
+            initialized, else ``RANK``/``WORLD_SIZE``, else 0 and 1).
+        **iter_kwargs: More ``Pipeline.iter`` arguments (``deterministic``,
+            ``microbatch_sizes``, ``lanes``).
+
+    Raises:
+        TypeError: An argument of torch's DataLoader that does not apply
+            here (``batch_size``, ``collate_fn``, ...), or an unknown one.
+        ValueError: A bad value.
+
+    The engine process and the pool's workers are *spawned*, so they
+    re-import the training script: keep its work under
+    ``if __name__ == "__main__":`` (as for torch's loader with ``spawn``).
+    Operators, user functions included, reach the engine through cloudpickle.
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *args: Any,
+        num_workers: int = 0,
+        to_training: Mapping[str, Any] | bool | None = None,
+        device: Any = None,
+        pin_memory: bool | None = None,
+        prefetch_factor: int = 2,
+        runner: str | None = None,
+        in_process: bool = False,
+        on_uneven: str = "stop",
+        rank: int | None = None,
+        world_size: int | None = None,
+        **iter_kwargs: Any,
+    ) -> None:
+        if args:
+            raise TypeError(
+                "DataLoader takes the pipeline as its only positional argument: batching "
+                "lives in the pipeline (end it with .batch(microbatch_size)), so there is no "
+                "batch_size; pass the other options by keyword"
+            )
+        _check_kwargs(iter_kwargs)
+        self.pipeline = _as_pipeline(pipeline)
+        self.num_workers = _check_num_workers(num_workers)
+        self.runner = _resolve_runner(runner, self.num_workers)
+        self.to_training = _check_to_training(to_training, self.pipeline)
+        self.device = None if device is None else torch.device(device)
+        self.pin_memory = _resolve_pin(pin_memory, self.device)
+        if self.to_training is None and (self.device is not None or self.pin_memory):
+            raise ValueError(
+                "device=/pin_memory= place the tensors of to_training(); with "
+                "to_training=False the loader yields SampleBatch objects, which hold none"
+            )
+        if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool) \
+                or prefetch_factor < 1:
+            raise ValueError(f"prefetch_factor must be a positive integer, got {prefetch_factor!r}")
+        self.prefetch_factor = prefetch_factor
+        self.in_process = bool(in_process)
+        if on_uneven not in _UNEVEN:
+            raise ValueError(f"on_uneven must be one of {list(_UNEVEN)}, got {on_uneven!r}")
+        self.on_uneven = on_uneven
+        self.rank = rank
+        self.world_size = world_size
+        self.iter_kwargs = dict(iter_kwargs)
+        self._fingerprint = self.pipeline.fingerprint()
+        self._position = _Position()
+        self._loaded: dict[str, Any] | None = None  # waits for the next iteration
+        self._active: weakref.ref[_LoaderIterator] | None = None
+
+    @property
+    def dataset(self) -> Pipeline:
+        """The pipeline (the name torch's DataLoader uses)."""
+        return self.pipeline
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> _LoaderIterator:
+        self._end_active()
+        rank, world_size = resolve_topology(self.rank, self.world_size)
+        state, self._loaded = self._loaded, None
+        self._position.reset(state)
+        iter_kwargs = {"runner": self.runner, "rank": rank, "world_size": world_size,
+                       **self.iter_kwargs}
+        # The core's default pool size when a runner was named with num_workers=0.
+        iter_kwargs["num_workers"] = self.num_workers or None
+        spec = EngineSpec(pipeline=self.pipeline, iter_kwargs=iter_kwargs, state=state,
+                          to_training=self.to_training)
+        in_process = self.in_process
+        if not in_process and multiprocessing.current_process().daemon:
+            warnings.warn(
+                "zephon DataLoader inside a daemonic process cannot start its engine process; "
+                "running the pipeline in this process (in_process=True)",
+                RuntimeWarning, stacklevel=2,
+            )
+            in_process = True
+        if in_process:
+            producer: Any = InProcessProducer(spec)
+        else:
+            # As in torch, prefetch_factor batches per worker may be in flight: finished
+            # batches waiting in shared memory absorb the pipeline's bursts (a chunk
+            # tokenized, a packer flushing) without holding device memory.
+            producer = EngineProcess(spec, self.prefetch_factor * max(1, self.num_workers))
+        vote = StepVote.create(rank, world_size) if self.on_uneven == "stop" else None
+        placer = Placer(with_index(self.device), self.pin_memory)
+        iterator = _LoaderIterator(producer, placer, self.prefetch_factor, self._position, vote)
+        self._active = weakref.ref(iterator)
+        return iterator
+
+    def _end_active(self) -> None:
+        active = self._active() if self._active is not None else None
+        self._active = None
+        if active is not None:
+            active.close()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self, *, gather: bool = False) -> dict[str, Any]:
+        """The pipeline's position after the last batch handed to the caller.
+
+        Args:
+            gather: Under an initialized ``torch.distributed`` group with
+                more than one rank (and this loader's rank and world size
+                being the group's), all-gather every rank's state (a
+                collective: call it on every rank, over gloo, see the module
+                doc) and return their
+                :func:`~zephon_torch.checkpoint.merge_states`, which any
+                world size can load. Otherwise the local state.
+
+        Returns:
+            A JSON-able dict (the pipeline iterator's ``state_dict()``
+            format): before any batch, the start of the next iteration (a
+            loaded state, or the beginning); after the last, the end.
+        """
+        local = self._local_state()
+        if gather and in_group(*resolve_topology(self.rank, self.world_size)):
+            import torch.distributed as dist
+
+            states: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(states, local, group=vote_group())
+            return merge_states(states)
+        return local
+
+    def _local_state(self) -> dict[str, Any]:
+        state = self._loaded if self._loaded is not None else self._position.state
+        if state is not None:
+            return self._narrow(copy.deepcopy(state))  # the caller may edit what it gets
+        return self._fresh_state()
+
+    def _own_lanes(self) -> list[int]:
+        rank, world_size = resolve_topology(self.rank, self.world_size)
+        return owned_lanes(self.pipeline.source.num_lanes, rank, world_size,
+                           self.iter_kwargs.get("lanes"))
+
+    def _narrow(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Only this rank's lanes of a (possibly merged) state, so that gathers merge."""
+        keys = {str(lane) for lane in self._own_lanes()}
+        if set(state["lanes"]) <= keys:
+            return state
+        narrowed = {k: v for k, v in state.items() if k != "checksum"}
+        narrowed["lanes"] = {k: v for k, v in state["lanes"].items() if k in keys}
+        rr = state.get("round_robin")
+        if not (isinstance(rr, Mapping) and rr.get("lanes") == sorted(int(k) for k in keys)):
+            narrowed["round_robin"] = None  # recomputed from per-lane progress on load
+        narrowed["checksum"] = state_checksum(narrowed)
+        return narrowed
+
+    def _fresh_state(self) -> dict[str, Any]:
+        """The state of an iterator that has not started (built inline, here)."""
+        rank, world_size = resolve_topology(self.rank, self.world_size)
+        it = self.pipeline.iter(runner="inline", rank=rank, world_size=world_size,
+                                **self.iter_kwargs)
+        try:
+            return it.state_dict()
+        finally:
+            it.close()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next iteration continue exactly where ``state`` stopped.
+
+        ``state`` is a :meth:`state_dict` of this pipeline: one rank's, or a
+        merged one (this rank takes its own lanes from it, whatever the world
+        size). An iteration in progress is ended.
+
+        Raises:
+            ValueError: The state is corrupted or belongs to another pipeline
+                configuration.
+        """
+        checked = check_state(state, self._fingerprint)
+        if checked["num_lanes"] != self.pipeline.source.num_lanes:
+            raise ValueError(f"the state has {checked['num_lanes']} lanes, this pipeline "
+                             f"{self.pipeline.source.num_lanes}")
+        self._end_active()
+        self._loaded = copy.deepcopy(checked)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """End the iteration in progress: stop its engine process and its workers."""
+        self._end_active()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = "in process" if self.in_process else "engine process"
+        return (f"DataLoader({self.pipeline!r}, runner={self.runner!r}, "
+                f"num_workers={self.num_workers}, {where}, device={self.device})")
+
+
+class _Position:
+    """The state after the last batch the caller received (shared with the iterator)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] | None = None
+
+    def reset(self, state: dict[str, Any] | None) -> None:
+        self.state = state
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_kwargs(iter_kwargs: Mapping[str, Any]) -> None:
+    for name in iter_kwargs:
+        if name in _TORCH_ONLY:
+            raise TypeError(
+                f"zephon_torch.DataLoader takes no {name!r}: {_TORCH_ONLY[name]}"
+            )
+        if name not in _ITER_KWARGS:
+            raise TypeError(
+                f"zephon_torch.DataLoader got an unexpected keyword argument {name!r}; it takes "
+                f"the DataLoader options and Pipeline.iter's {list(_ITER_KWARGS)}"
+            )
+
+
+def _as_pipeline(pipeline: Any) -> Pipeline:
+    if isinstance(pipeline, Pipeline):
+        return pipeline
+    inner = getattr(pipeline, "pipeline", None)  # pipe.to_torch_dataset()
+    if isinstance(inner, Pipeline):
+        return inner
+    raise TypeError(
+        f"zephon_torch.DataLoader runs a zephon_torch.Pipeline, got {type(pipeline).__name__}; "
+        "for other datasets use torch.utils.data.DataLoader"
+    )
+
+
+def _check_num_workers(num_workers: Any) -> int:
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+    return num_workers
+
+
+def _resolve_runner(runner: str | None, num_workers: int) -> str:
+    if runner is None:
+        return "process" if num_workers > 0 else "inline"
+    if runner not in _RUNNERS:
+        raise ValueError(f"unknown runner {runner!r}; use one of {list(_RUNNERS)}")
+    return runner
+
+
+def _check_to_training(to_training: Any, pipeline: Pipeline) -> dict[str, Any] | None:
+    """The keyword arguments of ``to_training`` (None: yield batches as they are)."""
+    if to_training is False:
+        return None
+    if to_training is None or to_training is True:
+        kwargs: dict[str, Any] = {}
+    elif isinstance(to_training, Mapping):
+        kwargs = dict(to_training)
+    else:
+        raise TypeError(
+            f"to_training must be None (defaults), a dict of SampleBatch.to_training keyword "
+            f"arguments, or False (yield SampleBatch), got {type(to_training).__name__}"
+        )
+    placed = sorted({"device", "pin_memory"} & set(kwargs))
+    if placed:
+        raise TypeError(
+            f"pass {', '.join(placed)} to the DataLoader itself, not in to_training: the "
+            "loader pins and copies on its prefetch thread, overlapped with the training step"
+        )
+    accepted = set(inspect.signature(SampleBatch.to_training).parameters) - {"self"}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise TypeError(
+            f"to_training got unknown option(s) {unknown}; SampleBatch.to_training takes "
+            f"{sorted(accepted - {'device', 'pin_memory'})}"
+        )
+    if not any(op.traits().produces_batches for op in pipeline.ops):
+        raise ValueError(
+            "this pipeline yields SampleRecord, not SampleBatch: end it with "
+            ".batch(microbatch_size), or pass to_training=False to get the records"
+        )
+    return kwargs
+
+
+def _resolve_pin(pin_memory: bool | None, device: torch.device | None) -> bool:
+    is_cuda = device is not None and device.type == "cuda"
+    if is_cuda and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but CUDA is not available")
+    if pin_memory is None:
+        return is_cuda
+    if pin_memory and not torch.cuda.is_available():
+        warnings.warn("pin_memory=True but CUDA is not available: tensors are not pinned",
+                      UserWarning, stacklevel=3)
+        return False
+    return bool(pin_memory)
+
+
+# --------------------------------------------------------------------------- one iteration
+
+
+class _Run:
+    """The resources of one iteration: producer, prefetch thread, queue.
+
+    Kept apart from :class:`_LoaderIterator` (which only holds it) so that the
+    iterator can be garbage-collected while the thread runs: its finalizer
+    then closes the run.
+    """
+
+    def __init__(self, producer: Any, placer: Placer, prefetch_factor: int) -> None:
+        self.producer = producer
+        self.placer = placer
+        self.queue: queue.Queue[tuple] = queue.Queue(maxsize=prefetch_factor)
+        self.stopping = threading.Event()
+        self.closed = False
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._prefetch, name="zephon-loader-prefetch",
+                                       daemon=True)
+        _LIVE_RUNS.add(self)
+        self.thread.start()
+
+    def _prefetch(self) -> None:
+        events = None
+        final: tuple = ("gone",)  # what the caller sees if the loop ends without an end
+        try:
+            events = self.producer.events()
+            for event in events:
+                if event[0] == "end":
+                    final = event
+                    break
+                payload, ready = self.placer.place(event[1])
+                if not self._put(("batch", payload, event[2], ready)):
+                    return
+        except BaseException as exc:
+            final = ("error", exc)
+        finally:
+            if events is not None:
+                with contextlib.suppress(Exception):
+                    events.close()  # in process: closes the pipeline iterator, here
+        self._put(final)
+
+    def _put(self, item: tuple) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=_POLL)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self) -> tuple:
+        """The next event, waiting as long as the prefetch thread lives."""
+        while True:
+            try:
+                return self.queue.get(timeout=_POLL)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.queue.empty():
+                    return ("gone",)
+
+    def close(self) -> None:
+        """Stop the producer and the thread; idempotent, from any thread."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.stopping.set()
+        self.producer.close()
+        with contextlib.suppress(queue.Empty):  # unblock a put, drop prefetched batches
+            while True:
+                self.queue.get_nowait()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=10.0)
+        _LIVE_RUNS.discard(self)
+
+
+_LIVE_RUNS: weakref.WeakSet[_Run] = weakref.WeakSet()
+
+
+def _close_live_runs() -> None:
+    for run in list(_LIVE_RUNS):
+        with contextlib.suppress(Exception):
+            run.close()
+
+
+# At exit, multiprocessing runs its finalizers of priority >= 0 *before* it joins
+# the non-daemonic children (our engines): this one stops them first, so that the
+# join cannot wait forever on an engine that is still producing.
+multiprocessing.util.Finalize(None, _close_live_runs, exitpriority=100)
+
+
+class _LoaderIterator:
+    """The iterator of one pass over a :class:`DataLoader` (see the module doc)."""
+
+    def __init__(self, producer: Any, placer: Placer, prefetch_factor: int,
+                 position: _Position, vote: StepVote | None) -> None:
+        self._position = position
+        self._vote = vote
+        self._placer = placer
+        self._run = _Run(producer, placer, prefetch_factor)
+        self._done = False
+        self._finalizer = weakref.finalize(self, self._run.close)
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's pid (None in process, or before it started)."""
+        return getattr(self._run.producer, "pid", None)
+
+    def __iter__(self) -> _LoaderIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        event = self._run.get()
+        kind = event[0]
+        vote = self._vote
+        # Every rank votes at every step, errors and ends included, so that no rank
+        # is left waiting in a collective for one that has stopped.
+        if vote is not None and not vote.agree(kind == "batch") and kind == "batch":
+            raise self._finish(None)
+        if kind != "batch":
+            raise self._finish(event)
+        _, payload, state, ready = event
+        self._position.state = state
+        return self._placer.hand_over(payload, ready)
+
+    def _finish(self, event: tuple | None) -> BaseException:
+        """End the iteration; what to raise after ``event`` (None: the ranks voted to stop)."""
+        self._done = True
+        self.close()
+        if event is None:
+            return StopIteration()
+        if event[0] == "end":
+            self._position.state = event[1]
+            return StopIteration()
+        if event[0] == "error":
+            return event[1]
+        return RuntimeError("the zephon loader's prefetch thread ended without a result")
+
+    def close(self) -> None:
+        """Stop the engine process and the prefetch thread (the generator-style close)."""
+        self._done = True
+        self._finalizer()
+
+    def __enter__(self) -> _LoaderIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -273,3 +273,18 @@ def test_decode_text_is_stateless_and_pickles(corpus):
     first = op.process_many(recs)
     assert op.process_many(recs) == first
     assert pickle.loads(pickle.dumps(op)).process_many(recs) == first
+
+
+def test_decode_text_reads_chat_jsonl_with_a_messages_field(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    path.write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"messages": []}) + "\n"
+                    + json.dumps({"messages": 7}) + "\n")
+    datasets = {0: zd.jsonl(str(path), cache_dir=str(tmp_path / "cache"))}
+    fetch = ready(Fetch(), datasets)
+    decode = ready(DecodeText(field="messages"), datasets)
+    out = decode.process_many(fetch.process_many([pointer(0, 0, 0), pointer(0, 0, 1)]))
+    assert out[0].payload == {"messages": turns}
+    assert reason(out[1]) == "empty"
+    with pytest.raises(ValueError, match="field 'messages' is a int, not a string"):
+        decode.process_many(fetch.process_many([pointer(0, 0, 2)]))

@@ -122,8 +122,9 @@ class DecodeText(Operator):
 
     Args:
         field: The key holding the document's text. JSON lines must hold a
-            string under it; text files are decoded to ``{field: text}`` (a
-            text dataset's own ``field`` is used while this stays ``"text"``).
+            string under it (or, for chat data, a list such as ``messages``);
+            text files are decoded to ``{field: text}`` (a text dataset's own
+            ``field`` is used while this stays ``"text"``).
         on_error: ``"skip"`` turns bad samples into ``"decode_error"``
             tombstones whatever the dataset says; ``"raise"`` (the default)
             defers to the dataset's ``on_error``.
@@ -192,7 +193,7 @@ class DecodeText(Operator):
                     raise _DecodeError(f"got {type(payload).__name__} from a dataset whose "
                                        f"raw_format is {raw_format!r}")
                 text = value[field]
-                if not text or text.isspace():
+                if not text or (isinstance(text, str) and text.isspace()):
                     return tombstone(record, "empty")
                 return SampleRecord(meta, value)
             return record  # token arrays and other payloads are already decoded
@@ -217,9 +218,11 @@ class DecodeText(Operator):
             keys = ", ".join(map(repr, list(value)[:8])) or "none"
             raise _DecodeError(f"the JSON object has no {self.field!r} field (keys: {keys}); "
                                "pass decode_text(field=...) to read another key")
-        if not isinstance(value[self.field], str):
+        # A string, or structured content such as chat ``messages`` (a list of turns).
+        if not isinstance(value[self.field], (str, list, dict)):
             raise _DecodeError(f"field {self.field!r} is a "
-                               f"{type(value[self.field]).__name__}, not a string")
+                               f"{type(value[self.field]).__name__}, not a string (or a list "
+                               "of chat messages)")
         return value
 
     def _lookup(self, dataset_id: int) -> Dataset | None:

@@ -82,7 +82,7 @@ from zephon_torch.runners import shm
 from zephon_torch.runners.base import Pool
 from zephon_torch.types import SampleBatch, SampleMeta, SampleRecord
 
-__all__ = ["ProcessPool", "WorkerTraceback"]
+__all__ = ["ProcessPool", "WorkerTraceback", "describe_exit"]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _STOP = pickle.dumps(("stop",), protocol=_PROTOCOL)
@@ -218,7 +218,8 @@ def _remote_error(blob: bytes | None, type_name: str, message: str, text: str) -
     return exc
 
 
-def _describe_exit(code: int | None) -> str:
+def describe_exit(code: int | None) -> str:
+    """How a child process ended, for error messages (``code`` is its exitcode)."""
     if code is None:
         return "stopped answering (exit status unknown)"
     if code < 0:
@@ -550,7 +551,7 @@ class _Supervisor:
         if process.is_alive():  # its pipe broke but it lingers: it is useless now
             process.kill()
             process.join()
-        how = _describe_exit(process.exitcode)
+        how = describe_exit(process.exitcode)
         with self.lock:
             worker.alive = False
             self.workers[worker.slot] = None

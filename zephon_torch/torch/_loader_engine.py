@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zephon_torch.runners import shm
-from zephon_torch.runners.process import WorkerTraceback
+from zephon_torch.runners.process import WorkerTraceback, describe_exit
 
 __all__ = ["EngineProcess", "EngineSpec", "InProcessProducer", "run_pipeline"]
 
@@ -203,17 +203,6 @@ def _remote_error(blob: bytes | None, name: str, message: str, text: str) -> Bas
                            f"it could not be pickled back)")
     exc.__cause__ = WorkerTraceback(f"Traceback in the zephon loader's engine process:\n{text}")
     return exc
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is not answering"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 # --------------------------------------------------------------------------- engine side
@@ -387,7 +376,7 @@ class EngineProcess:
                     self._process.join(timeout=1.0)
                     raise RuntimeError(
                         f"the zephon loader's engine process (pid {self._process.pid}) "
-                        f"{_describe_exit(self._process.exitcode)} before the end of the "
+                        f"{describe_exit(self._process.exitcode)} before the end of the "
                         "data; see its stderr. A training script that starts work at import "
                         "time needs `if __name__ == \"__main__\":` (the engine is spawned "
                         "and re-imports it), and a signal may mean the out-of-memory killer"

@@ -1,0 +1,402 @@
+"""``ZephonDataModule``: a Lightning DataModule whose checkpoints carry the data position.
+
+::
+
+    dm = ZephonDataModule(train=train_pipe, val=val_pipe,
+                          loader_kwargs={"num_workers": 2,
+                                         "to_training": {"return_labels": True}})
+    ckpt = ModelCheckpoint(every_n_train_steps=500, save_top_k=-1)
+    pl.Trainer(max_steps=10_000, callbacks=[ckpt]).fit(model, datamodule=dm)
+    # later, in a new process:
+    pl.Trainer(max_steps=10_000).fit(model, datamodule=dm, ckpt_path="...ckpt")
+
+``train_dataloader()`` and ``val_dataloader()`` hand Lightning a
+:class:`ZephonStream` over a :class:`zephon_torch.torch.loader.DataLoader`;
+the module's ``state_dict()`` is the train pipeline's position and
+``load_state_dict()`` makes the next train loader continue from it.
+
+**Saving: the position of the last batch the training step received.**
+Lightning's fetcher asks the loader for one batch *ahead* of the training
+step (for an iterable without a length it must, to know which batch is the
+last), so when ``ModelCheckpoint`` saves at the end of step ``k`` the loader
+has already handed over batch ``k + 1``. The stream therefore keeps the
+state that came with each batch it handed out, and the module's
+``on_before_batch_transfer`` hook, which Lightning calls once per batch, in
+order, just before the training step receives it, marks the oldest as
+consumed::
+
+    event                               stream handed   step received   state_dict()
+    fit starts, fetcher prefetches      b0              -               start
+    step 0 (fetcher refills b1)         b0 b1           b0              after b0
+    step 1 (fetcher refills b2)         b0 b1 b2        b1              after b1
+    ModelCheckpoint, end of step 1      b2 is waiting                   after b1
+
+(With a ``training_step(self, dataloader_iter)`` Lightning does not prefetch
+and does not call the hook: every batch handed out counts as received.)
+
+**Restoring: once, into the loader fit iterates.** ``Trainer.fit(ckpt_path=)``
+calls the module's ``load_state_dict`` before its fit loop asks for the train
+loader. The state goes into a fresh ``DataLoader``, which the next
+``train_dataloader()`` returns; the loader applies a loaded state at the
+start of its next iteration and then forgets it. Lightning first calls
+``iter()`` once just to check that the loader is iterable: a stream's
+iterator is lazy, so that probe neither starts an engine process nor uses up
+the state; the fetcher's iterator is the one that runs.
+
+**Lightning's own stateful-loader checkpoints do not apply.** Lightning saves
+and restores every train loader that has ``state_dict``/``load_state_dict``
+(the fit loop's ``"combined_loader"`` entry) and would save the position of
+the *prefetched* batch, one too far. A stream has neither method, so that
+mechanism sees nothing; the position travels only in the module's state.
+
+**Epochs.** A Lightning epoch over a stream ends when the pipeline ends
+(``passes`` is finite) or after ``limit_train_batches``. In the first case the
+next epoch is a new pass from the beginning; in the second it continues
+where the last batch the step received left off (so an endless pretraining
+stream is never replayed by "epochs"). A checkpoint records which case it
+is in, so a resumed run does the same as the uninterrupted one.
+
+**Distributed.** Under an initialized ``torch.distributed`` group (Lightning's
+DDP strategy starts one), each rank's loader takes its own lanes, and
+``state_dict()`` all-gathers every rank's position and merges them (a
+collective: Lightning saves checkpoints on every rank), so a checkpoint
+restarts on any world size up to the pipeline's ``num_lanes``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+from zephon_torch.checkpoint import merge_states
+from zephon_torch.pipeline import Pipeline
+from zephon_torch.runners.iterator import resolve_topology
+from zephon_torch.torch.loader import DataLoader
+
+__all__ = ["ZephonDataModule", "ZephonStream"]
+
+STATE_FORMAT = "zephon_torch.ZephonDataModule"
+STATE_VERSION = 1
+_KEYS = ("format", "version", "train", "pass_ended")
+
+
+class ZephonStream:
+    """What the data module hands Lightning: a lazily started iteration of a loader.
+
+    It deliberately has no ``state_dict``/``load_state_dict``, so Lightning
+    does not checkpoint it on its own (see the module doc). ``iter()`` does
+    not start the loader; the first ``next()`` does.
+
+    Args:
+        loader: The zephon loader to iterate.
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self._generation = 0  # the iteration that is current; older iterators are stale
+        self._started = False
+
+    @property
+    def started(self) -> bool:
+        """Whether an iteration has begun (the loader has consumed any loaded state)."""
+        return self._started
+
+    def __iter__(self) -> Iterator[Any]:
+        return _LazyIterator(self)
+
+    def _begin(self) -> tuple[int, Iterator[Any]]:
+        """Start a new iteration of the loader; returns its generation and iterator."""
+        self._generation += 1
+        self._started = True
+        return self._generation, iter(self.loader)
+
+    def _handed(self, generation: int) -> None:
+        """A batch of iteration ``generation`` is about to be returned to Lightning."""
+
+    def _ended(self, generation: int) -> None:
+        """Iteration ``generation`` has no more batches."""
+
+    def close(self) -> None:
+        """Stop the loader's iteration in progress (its engine process and workers)."""
+        self.loader.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.loader!r})"
+
+
+class _TrainStream(ZephonStream):
+    """A stream that also remembers the state after each batch until the step receives it."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self._waiting: deque[dict[str, Any]] = deque()  # handed out, not yet received
+        self._received: dict[str, Any] | None = None  # None: not started, the loader knows
+        self._exhausted = False
+
+    def _begin(self) -> tuple[int, Iterator[Any]]:
+        if self._received is not None and not (self._exhausted and not self._waiting):
+            # Lightning ended an epoch before the pipeline ended (limit_train_batches):
+            # the next epoch continues after the last batch the step received, so the
+            # batch its fetcher had prefetched is not lost.
+            self.loader.load_state_dict(self._received)
+        generation, iterator = super()._begin()
+        # Right after iter() the loader reports where this iteration starts: the
+        # loaded state, or the beginning of a new pass.
+        self._waiting.clear()
+        self._received = self.loader.state_dict()
+        self._exhausted = False
+        return generation, iterator
+
+    def _handed(self, generation: int) -> None:
+        if generation == self._generation:
+            self._waiting.append(self.loader.state_dict())
+
+    def _ended(self, generation: int) -> None:
+        if generation == self._generation:
+            self._exhausted = True
+
+    def received_one(self) -> None:
+        """The training step is about to receive the oldest batch handed out."""
+        if self._waiting:
+            self._received = self._waiting.popleft()
+
+    def position(self, *, all_received: bool) -> tuple[dict[str, Any], bool]:
+        """``(state after the last batch received, whether the pass has ended)``.
+
+        Args:
+            all_received: Count every batch handed out as received (no
+                prefetching consumer).
+        """
+        if all_received:
+            while self._waiting:
+                self.received_one()
+        if self._received is None:  # not started: the loaded state, or the beginning
+            return self.loader.state_dict(), False
+        return copy.deepcopy(self._received), self._exhausted and not self._waiting
+
+
+class _LazyIterator:
+    """Starts the stream's loader at the first ``next()``, not at ``iter()``."""
+
+    def __init__(self, stream: ZephonStream) -> None:
+        self._stream = stream
+        self._generation = 0
+        self._iterator: Iterator[Any] | None = None
+
+    def __iter__(self) -> _LazyIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            self._generation, self._iterator = self._stream._begin()
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._stream._ended(self._generation)
+            raise
+        self._stream._handed(self._generation)
+        return batch
+
+
+class ZephonDataModule(pl.LightningDataModule):
+    """A ``LightningDataModule`` over zephon pipelines, with an exact data position.
+
+    Args:
+        train: The training pipeline (ending in ``.batch(n)``).
+        val: An optional validation pipeline, read from its beginning at
+            every validation run.
+        loader_kwargs: Keyword arguments of
+            :class:`zephon_torch.torch.loader.DataLoader` for both loaders
+            (``num_workers``, ``to_training``, ``in_process``, ``on_uneven``
+            ...). ``device`` is optional: Lightning moves each batch to the
+            module's device itself (a batch already there stays).
+
+    Subclasses that override ``on_before_batch_transfer`` must call
+    ``super().on_before_batch_transfer(batch, dataloader_idx)``: it is how
+    the module learns which batch the training step received. A
+    LightningModule's own ``on_before_batch_transfer`` still runs (this
+    module calls it); Lightning warns that both are overridden.
+
+    Raises:
+        TypeError: ``train``/``val`` are not pipelines, or a loader argument
+            does not apply (see ``DataLoader``).
+        ValueError: A bad loader argument value.
+    """
+
+    def __init__(
+        self,
+        train: Pipeline,
+        val: Pipeline | None = None,
+        loader_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if loader_kwargs is not None and not isinstance(loader_kwargs, Mapping):
+            raise TypeError(
+                f"loader_kwargs must be a dict of zephon DataLoader arguments, got "
+                f"{type(loader_kwargs).__name__}"
+            )
+        self.loader_kwargs = dict(loader_kwargs or {})
+        self.train = _check_pipeline(train, "train")
+        self.val = None if val is None else _check_pipeline(val, "val")
+        # Built now so that a bad argument fails here; the first train_dataloader() uses it.
+        self._next_train: DataLoader | None = self._loader(self.train)
+        self._train_stream: _TrainStream | None = None
+        self._val_stream: ZephonStream | None = None
+        self._torn_down = False  # the last fit ended: its train stream is history
+        if self.val is None and type(self).val_dataloader is ZephonDataModule.val_dataloader:
+            # Lightning validates when val_dataloader is overridden. Without a val pipeline,
+            # show it the base hook, as LightningDataModule.from_datasets attaches only the
+            # loaders it has: no validation, and no warning about an empty loader.
+            self.val_dataloader = super().val_dataloader  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ loaders
+
+    def _loader(self, pipeline: Pipeline) -> DataLoader:
+        return DataLoader(pipeline, **self.loader_kwargs)
+
+    def train_dataloader(self) -> ZephonStream:
+        """A stream over a new train loader (holding a state loaded beforehand, if any)."""
+        loader, self._next_train = self._next_train, None
+        if loader is None:
+            loader = self._loader(self.train)
+        if self._train_stream is not None:
+            self._train_stream.close()
+        self._train_stream = _TrainStream(loader)
+        self._torn_down = False
+        return self._train_stream
+
+    def val_dataloader(self) -> ZephonStream:
+        """A stream over the validation pipeline, read from its start at every validation run."""
+        if self.val is None:  # a subclass calling it without a val pipeline
+            raise ValueError("this ZephonDataModule has no val pipeline: pass val=...")
+        if self._val_stream is None:
+            self._val_stream = ZephonStream(self._loader(self.val))
+        return self._val_stream
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Notes that the training step receives its next batch; runs the model's hook too."""
+        trainer = self._trainer
+        if trainer is not None and trainer.training and self._train_stream is not None:
+            self._train_stream.received_one()
+        module = trainer.lightning_module if trainer is not None else None
+        if module is not None and is_overridden("on_before_batch_transfer", module):
+            batch = module.on_before_batch_transfer(batch, dataloader_idx)
+        return batch
+
+    def teardown(self, stage: str) -> None:
+        """Stops the loaders' engine processes when fit (or validate) ends."""
+        for stream in (self._train_stream, self._val_stream):
+            if stream is not None:
+                stream.close()
+        self._torn_down = True  # state_dict() still reports where that fit stopped
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The train pipeline's position after the last batch the training step received.
+
+        Under an initialized ``torch.distributed`` group this is a collective
+        (every rank's position is gathered and merged): call it on every rank,
+        as Lightning does when it saves a checkpoint.
+
+        Returns:
+            ``{"format", "version", "train": <pipeline state>, "pass_ended": bool}``,
+            JSON-able builtins.
+        """
+        stream = self._train_stream
+        if stream is None:
+            loader = self._next_train if self._next_train is not None else self._loader(self.train)
+            local, ended = loader.state_dict(), False
+        else:
+            local, ended = stream.position(all_received=self._step_takes_iterator())
+        state, ended = _gather(stream.loader if stream is not None else None, local, ended)
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, "train": state,
+                "pass_ended": ended}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Make the next train loader continue exactly where ``state_dict`` stopped.
+
+        Args:
+            state_dict: A :meth:`state_dict` of a module over the same train
+                pipeline configuration, saved on any world size.
+
+        Raises:
+            ValueError: Not such a state, or one of another pipeline
+                configuration.
+        """
+        if not isinstance(state_dict, Mapping) or state_dict.get("format") != STATE_FORMAT:
+            raise ValueError(
+                "not a ZephonDataModule state: expected the dict ZephonDataModule.state_dict() "
+                f"returns (format {STATE_FORMAT!r})"
+            )
+        if state_dict.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"unknown ZephonDataModule state version {state_dict.get('version')!r}; this "
+                f"zephon_torch reads version {STATE_VERSION}"
+            )
+        missing = [key for key in _KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(f"corrupted ZephonDataModule state: no {missing}")
+        loader = self._loader(self.train)
+        loader.load_state_dict(state_dict["train"])  # validates it against the pipeline
+        if state_dict["pass_ended"]:
+            # The step had received the last batch of a pass: what comes next is a new
+            # pass from the beginning, as in the uninterrupted run's next epoch.
+            loader = self._loader(self.train)
+        stream = self._train_stream
+        if stream is not None and not stream.started:
+            stream.close()
+            stream.loader = loader  # Lightning asked for it already but has not iterated
+            return
+        if stream is not None and not self._torn_down:
+            warnings.warn(
+                "ZephonDataModule.load_state_dict() after the train loader started: the state "
+                "applies to the next train_dataloader() call, not to the iteration in progress",
+                RuntimeWarning, stacklevel=2,
+            )
+        self._next_train = loader
+
+    def _step_takes_iterator(self) -> bool:
+        """Whether ``training_step`` pulls batches itself (``dataloader_iter``), or no trainer."""
+        trainer = self._trainer
+        module = trainer.lightning_module if trainer is not None else None
+        if module is None:
+            return True  # used by hand: whatever was handed out was received
+        return is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+
+    @property
+    def _trainer(self) -> pl.Trainer | None:
+        return getattr(self, "trainer", None)
+
+
+def _check_pipeline(pipeline: Any, name: str) -> Pipeline:
+    if isinstance(pipeline, Pipeline):
+        return pipeline
+    inner = getattr(pipeline, "pipeline", None)  # pipe.to_torch_dataset()
+    if isinstance(inner, Pipeline):
+        return inner
+    raise TypeError(f"ZephonDataModule({name}=...) takes a zephon_torch.Pipeline, got "
+                    f"{type(pipeline).__name__}")
+
+
+def _gather(loader: DataLoader | None, local: dict[str, Any],
+            ended: bool) -> tuple[dict[str, Any], bool]:
+    """Every rank's position merged, when the loader spans an initialized process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return local, ended
+    if loader is not None:
+        topology = resolve_topology(loader.rank, loader.world_size)
+        if topology != (dist.get_rank(), dist.get_world_size()):
+            return local, ended  # an explicit sub-topology: its peers are not the group
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {"state": local, "ended": ended})
+    return merge_states([p["state"] for p in parts]), all(p["ended"] for p in parts)

@@ -222,7 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1 and args.out is None:
         parser.error("under torchrun, pass --out DIR (a folder every rank can read)")
     with workdir(args.out) as out:
-        return run(args, out)
+        try:
+            return run(args, out)
+        finally:
+            # Leave the process group before exit: torn down at interpreter exit, gloo
+            # threads can abort the process after a successful run.
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":

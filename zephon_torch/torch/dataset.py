@@ -277,11 +277,13 @@ def merged_state(checkpoint: Any) -> dict[str, Any]:
         if is_pipeline_state(value):
             found.append(value)
         elif isinstance(value, Mapping):
-            if value.get("steps_since_snapshot"):
+            # torchdata names the key with a leading underscore; accept both spellings.
+            behind = value.get("_steps_since_snapshot") or value.get("steps_since_snapshot")
+            if behind:
                 raise ValueError(
-                    "the checkpoint was taken between snapshots (steps_since_snapshot="
-                    f"{value['steps_since_snapshot']}): its pipeline states are behind the "
-                    "loader; save with snapshot_every_n_steps=1 to merge them"
+                    f"the checkpoint was taken between snapshots (steps_since_snapshot="
+                    f"{behind}): its pipeline states are behind the loader; save with "
+                    "snapshot_every_n_steps=1 to merge them"
                 )
             for item in value.values():
                 walk(item)

@@ -67,6 +67,14 @@ def check_iter_kwargs(iter_kwargs: Mapping[str, Any]) -> None:
         )
 
 
+def checked_pipeline(owner: str, pipeline: Any, iter_kwargs: Mapping[str, Any]) -> Pipeline:
+    """The common constructor checks of the torch wrappers: a Pipeline and valid kwargs."""
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(f"{owner} wraps a zephon_torch.Pipeline, got {type(pipeline).__name__}")
+    check_iter_kwargs(iter_kwargs)
+    return pipeline
+
+
 def is_pipeline_state(value: Any) -> bool:
     """Whether ``value`` looks like a ``PipelineIterator.state_dict()``."""
     return isinstance(value, Mapping) and set(value) >= _STATE_KEYS
@@ -148,11 +156,7 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, pipeline: Pipeline, **iter_kwargs: Any) -> None:
         super().__init__()
-        if not isinstance(pipeline, Pipeline):
-            raise TypeError(f"TorchIterableDataset wraps a zephon_torch.Pipeline, got "
-                            f"{type(pipeline).__name__}")
-        check_iter_kwargs(iter_kwargs)
-        self.pipeline = pipeline
+        self.pipeline = checked_pipeline("TorchIterableDataset", pipeline, iter_kwargs)
         self.iter_kwargs = dict(iter_kwargs)
         self._pending: dict[str, Any] | None = None
         self._live: LiveIterator | None = None

@@ -29,7 +29,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from zephon_torch.pipeline import Pipeline
-from zephon_torch.torch.dataset import LiveIterator, check_iter_kwargs, is_pipeline_state
+from zephon_torch.torch.dataset import LiveIterator, checked_pipeline, is_pipeline_state
 
 __all__ = ["PipelineNode"]
 
@@ -49,11 +49,7 @@ class PipelineNode(BaseNode[Any]):
 
     def __init__(self, pipeline: Pipeline, **iter_kwargs: Any) -> None:
         super().__init__()
-        if not isinstance(pipeline, Pipeline):
-            raise TypeError(f"PipelineNode wraps a zephon_torch.Pipeline, got "
-                            f"{type(pipeline).__name__}")
-        check_iter_kwargs(iter_kwargs)
-        self.pipeline = pipeline
+        self.pipeline = checked_pipeline("PipelineNode", pipeline, iter_kwargs)
         self.iter_kwargs = dict(iter_kwargs)
         self._live: LiveIterator | None = None
 

@@ -330,3 +330,23 @@ def test_chained_checkpoints_in_random_configurations() -> None:
 def test_no_sentinels_with_a_reordering_operator_is_refused() -> None:
     with pytest.raises(ValueError, match=r"flush_every_k_chunks=0 .*\['shuffle'\]"):
         items_pipe(flush_every_k_chunks=0).shuffle(4).batch(2).iter(runner="inline")
+
+
+@pytest.mark.parametrize("cut", [1, 255, 256, 300, 777, 856, 857])
+def test_bulk_accounting_is_exact_at_any_cut(cut: int) -> None:
+    # Deliveries are accounted a list at a time (every 256 records, or when
+    # something reads the progress): counters and states must be exact anyway.
+    items = [{"i": i} for i in range(1000)]
+    pipe = Pipeline.from_items(items, num_lanes=2, chunk_size=64).map_transform(
+        lambda p: p if p["i"] % 7 else None, drop_none=True)
+    it = pipe.iter(runner="inline")
+    head = [next(it) for _ in range(cut)]
+    stats = it.stats()
+    assert stats["delivered"] == cut
+    state = json.loads(json.dumps(it.state_dict()))
+    it.close()
+    resumed = pipe.iter(runner="inline")
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert_same(collect(pipe, runner="inline"), head + rest, label=f"cut {cut}")
+    assert len(head) + len(rest) == 1000 - len(range(0, 1000, 7))

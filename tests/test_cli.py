@@ -88,7 +88,7 @@ def test_inspect_previews_batches_of_a_users_jsonl(tmp_path: Path) -> None:
     assert re.search(r"padding \d+\.\d%", out)
     assert re.search(r"doc 0 \(\d+ tokens\): '\w", out)
     assert re.search(r"stats\(\): read [\d,]+, delivered \d+, tombstoned \d+", out)
-    assert "stage tokenize: {'microbatches'" in out
+    assert "stage fetch+decode_text+tokenize: {'microbatches'" in out  # one fused stage
 
 
 def test_inspect_says_clearly_when_nothing_matches(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ def corpus(tmp_path: Path) -> dict:
 def test_fetch_contract():
     op = Fetch()
     assert op.name == "fetch" and op.default_microbatch_size == 64
-    assert op.traits() == OpTraits(accepts_pointers=True)
+    assert op.traits() == OpTraits(accepts_pointers=True, elementwise=True)
     assert op.config() == {"op": "zephon_torch.ops.io.Fetch"}
     acc = op.accumulator(deterministic=True, ctx=OpContext(microbatch_size=None))
     assert isinstance(acc, CountingAccumulator) and acc.max_batch == 64

@@ -123,6 +123,18 @@ class LaneProgress:
             self.incomplete.pop(chunk_id, None)
             self._advance_by_closures()
 
+    def close_many(self, chunk_id: int, offsets: list[int]) -> None:
+        """:meth:`close` for several offsets of one chunk."""
+        if self.flush_every:
+            return
+        info = self.chunks.get(chunk_id)
+        if info is None:
+            return
+        info.closed.update(offsets)
+        if len(info.closed) == info.size:
+            self.incomplete.pop(chunk_id, None)
+            self._advance_by_closures()
+
     def _advance_by_closures(self) -> None:
         first_open = min(self.incomplete) if self.incomplete else self.registered_until
         self._forget_before(first_open)
@@ -233,6 +245,34 @@ class ProgressTracker:
             self.close_refs(record)
             lane.delivered(record, count_output=False)
         lane.outputs += 1
+
+    def delivered_plain(self, lane_id: int, items: list[SampleRecord]) -> None:
+        """Plain records (no tags) of one lane the caller received, in order.
+
+        :meth:`delivered` in bulk for the common case: one pass, no call per record.
+        """
+        lane = self.lanes[lane_id]
+        k = self.flush_every
+        counts = lane.delivered_in_epoch
+        if k:
+            for item in items:
+                epoch = item.meta.chunk_id // k
+                counts[epoch] = counts.get(epoch, 0) + 1
+        else:  # no sentinels: each record closes its own offset
+            offsets: dict[int, list[int]] = {}
+            for item in items:
+                meta = item.meta
+                group = offsets.get(meta.chunk_id)
+                if group is None:
+                    group = offsets[meta.chunk_id] = []
+                group.append(meta.chunk_offset)
+            for chunk_id, group in offsets.items():
+                counts[chunk_id] = counts.get(chunk_id, 0) + len(group)
+                lane.close_many(chunk_id, group)
+        last = items[-1].meta
+        lane.cursor = last.as_cursor_key()
+        lane.cursor_epoch = lane.epoch_of(last.chunk_id)
+        lane.outputs += len(items)
 
     def replayed(self, record: SampleRecord) -> None:
         """A replayed record the filter dropped: the caller had received it before."""

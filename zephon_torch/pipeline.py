@@ -106,6 +106,40 @@ class CompiledStage:
     local: bool
 
 
+def _fuse(stages: list[CompiledStage]) -> list[CompiledStage]:
+    """Merge runs of consecutive elementwise stages into fused stages.
+
+    Stages join a run when both are elementwise, neither runs inline and
+    they share a placement. A fused stage takes the largest micro-batch size
+    overridden for any of its parts (else the largest default of its parts).
+    Fusing changes where micro-batches are cut, which elementwise operators
+    do not see, so no output changes (see ``ops/fused.py``).
+    """
+    from zephon_torch.ops.fused import FusedOperator
+
+    def joins(prev: CompiledStage, nxt: CompiledStage) -> bool:
+        a, b = prev.op.traits(), nxt.op.traits()
+        return (a.elementwise and b.elementwise and not prev.local and not nxt.local
+                and getattr(prev.op, "placement", "local") == getattr(nxt.op, "placement", "local"))
+
+    runs: list[list[CompiledStage]] = []
+    for stage in stages:
+        if runs and joins(runs[-1][-1], stage):
+            runs[-1].append(stage)
+        else:
+            runs.append([stage])
+    out = []
+    for run in runs:
+        if len(run) == 1:
+            out.append(run[0])
+            continue
+        fused = FusedOperator([(c.name, c.op) for c in run])
+        sizes = [c.microbatch_size for c in run if c.microbatch_size is not None]
+        out.append(CompiledStage("+".join(c.name for c in run), fused,
+                                 max(sizes) if sizes else None, False))
+    return out
+
+
 class Pipeline:
     """An immutable description of a data pipeline: sources and operators.
 
@@ -362,11 +396,11 @@ class Pipeline:
                     f"so it is a parameter of .{op.name}(), not a performance knob"
                 )
             _positive_int(f"microbatch_sizes[{name!r}]", size)
-        stages = [
+        stages = _fuse([
             CompiledStage(name, op, overrides.get(name), op.traits().inline)
             for name, op in zip(names, self._ops)
-        ]
-        cut = next((i for i, op in enumerate(self._ops) if op.traits().produces_batches),
+        ])
+        cut = next((i for i, c in enumerate(stages) if c.op.traits().produces_batches),
                    len(stages))
         replay = ReplayFilter()
         stages.insert(cut, CompiledStage("replay_filter", replay, None, True))

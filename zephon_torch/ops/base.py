@@ -63,6 +63,12 @@ class OpTraits:
         inline: ``process_many`` is trivial glue (wrapping records into a
             batch, a passthrough): run it on the driver thread instead of
             shipping the micro-batch to a worker.
+        elementwise: Each input's outputs depend on that input alone and come
+            out in input order (``process_many(a + b) == process_many(a) +
+            process_many(b)``), tombstones pass through untouched, and the
+            operator keeps the default accumulator. The planner may then fuse
+            consecutive such stages into one (one micro-batch runs through all
+            of them on one worker), which changes no output.
     """
 
     preserves_cursor_order: bool = True
@@ -70,6 +76,7 @@ class OpTraits:
     produces_batches: bool = False
     fan_out: bool = False
     inline: bool = False
+    elementwise: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -71,8 +71,8 @@ class Fetch(Operator):
         self._datasets = _datasets_of(ctx, "fetch")
 
     def traits(self) -> OpTraits:
-        """Order-preserving, and the one operator that accepts pointers."""
-        return OpTraits(accepts_pointers=True)
+        """Order-preserving, elementwise, and the one operator that accepts pointers."""
+        return OpTraits(accepts_pointers=True, elementwise=True)
 
     def config(self) -> dict[str, Any]:
         """No parameters beyond the operator's identity."""
@@ -151,6 +151,10 @@ class DecodeText(Operator):
     def setup(self, ctx: OpContext) -> None:
         """Take the plan's datasets (``ctx.plan["datasets"]``)."""
         self._datasets = _datasets_of(ctx, "decode_text")
+
+    def traits(self) -> OpTraits:
+        """Elementwise: consecutive elementwise stages may be fused."""
+        return OpTraits(elementwise=True)
 
     def config(self) -> dict[str, Any]:
         """``field`` and ``on_error``."""

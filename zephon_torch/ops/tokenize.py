@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from zephon_torch.ops.base import Element, OpContext, Operator, tombstone
+from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.ops.transform import _check_record, callable_config
 from zephon_torch.types import SampleRecord
 
@@ -123,6 +123,10 @@ def _check_field_name(name: str, value: Any) -> None:
 
 class _TokenizerOperator(Operator):
     """Shared machinery: the tokenizer as JSON, its lazy rebuild, special ids."""
+
+    def traits(self) -> OpTraits:
+        """Elementwise: consecutive elementwise stages may be fused."""
+        return OpTraits(elementwise=True)
 
     def _init_tokenizer(self, tokenizer: Any, *, special_tokens: str,
                         bos_token_id: int | None, eos_token_id: int | None,

@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from types import CodeType
 from typing import Any
 
-from zephon_torch.ops.base import Element, Operator, tombstone
+from zephon_torch.ops.base import Element, Operator, OpTraits, tombstone
 from zephon_torch.types import SampleRecord
 
 __all__ = ["PLACEMENTS", "Filter", "MapTransform", "callable_config"]
@@ -212,6 +212,10 @@ class MapTransform(Operator):
                 append(SampleRecord(meta, new))
         return out
 
+    def traits(self) -> OpTraits:
+        """Elementwise: consecutive elementwise stages may be fused."""
+        return OpTraits(elementwise=True)
+
     def config(self) -> dict[str, Any]:
         """The function's name and code hash plus ``drop_none``."""
         return {**super().config(), "fn": callable_config(self.fn), "drop_none": self.drop_none}
@@ -252,6 +256,10 @@ class Filter(Operator):
             else:
                 append(tombstone(rec, "filter"))
         return out
+
+    def traits(self) -> OpTraits:
+        """Elementwise: consecutive elementwise stages may be fused."""
+        return OpTraits(elementwise=True)
 
     def config(self) -> dict[str, Any]:
         """The predicate's name and code hash."""

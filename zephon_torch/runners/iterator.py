@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, OpContext
+from zephon_torch.ops.fused import parts_of
 from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
 from zephon_torch.runners.engine import Engine, Stage
 from zephon_torch.sources.emitter import SourceEmitter
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["PipelineIterator", "resolve_topology"]
 
 _RUNNERS = ("inline", "threads", "process")
+#: Records handed over between two settlements of a lane's accounting.
+_SETTLE_EVERY = 256
 _TOKEN_PRODUCERS = frozenset({"tokenize", "tokenize_chat", "pack_flat", "pack_sequences"})
 
 
@@ -156,11 +159,14 @@ class PipelineIterator:
         self.progress = ProgressTracker(self.lanes, self.flush_every)
         self._stats = _Stats(self.lanes)
         self._queues: dict[int, deque[Any]] = {lane: deque() for lane in self.lanes}
+        # Records handed to the caller whose accounting is still owed: settled
+        # in bulk (see _settle) before anything reads or moves the progress.
+        self._owed: dict[int, list[Any]] = {lane: [] for lane in self.lanes}
         self._rr = 0
         self._ended: set[int] = set()
         replay_filter = next(c.op for c in self._compiled if isinstance(c.op, ReplayFilter))
         replay_filter.targets = {}
-        replay_filter.on_drop = self.progress.replayed
+        replay_filter.on_drop = self._replayed
         start, lane_next, replay = None, {}, []
         if resume is not None:
             start, lane_next, replay = self._resume_plan(resume, replay_filter, key_from_json)
@@ -196,7 +202,7 @@ class PipelineIterator:
                 component_weights=weights if len(weights) > 1 else None, plan=plan,
             ))
             # Stages after one of these see token arrays (mixtures weigh by tokens).
-            has_tokens = has_tokens or c.op.name in _TOKEN_PRODUCERS
+            has_tokens = has_tokens or any(op.name in _TOKEN_PRODUCERS for op in parts_of(c.op))
         return ctxs
 
     def _make_pool(self, ops: list[Any], ctxs: list[OpContext]) -> Pool:
@@ -238,7 +244,17 @@ class PipelineIterator:
         lanes = self.lanes
         lane = lanes[self._rr]
         queue = self._queues[lane]
-        if queue:  # the common case, kept short
+        if queue:  # the common case, kept short: a plain record
+            item = queue.popleft()
+            if type(item) is SampleRecord and not item.meta.tags and not (
+                    queue and type(queue[0]) is SampleRecord and queue[0].meta.tags):
+                self._rr = (self._rr + 1) % len(lanes)
+                owed = self._owed[lane]
+                owed.append(item)
+                if len(owed) >= _SETTLE_EVERY:
+                    self._settle(lane)
+                return item
+            queue.appendleft(item)
             return self._deliver(lane, queue)
         if self._closed:
             raise StopIteration
@@ -258,20 +274,52 @@ class PipelineIterator:
             if not self._pump():
                 for other in lanes:
                     if not queues[other] and other not in self._ended:
+                        self._settle(other)
                         self._ended.add(other)
                         self.progress.lanes[other].finish()
 
     def _deliver(self, lane: int, queue: deque[Any]) -> Any:
         self._rr = (self._rr + 1) % len(self.lanes)
         item = queue.popleft()
-        self._stats.delivered(lane, item)
-        self.progress.delivered(item)
+        if type(item) is SampleRecord and not item.meta.tags:
+            owed = self._owed[lane]
+            owed.append(item)
+            if len(owed) >= _SETTLE_EVERY:
+                self._settle(lane)
+        else:  # a batch or a tagged record: settle what came before, then count it
+            self._settle(lane)
+            self._stats.delivered(lane, item)
+            self.progress.delivered(item)
         if queue and type(queue[0]) is SampleRecord and queue[0].meta.tags:
             self._drain_sentinels(lane, queue)
         return item
 
+    def _settle(self, lane: int) -> None:
+        """Account for the items handed to the caller since the last settlement.
+
+        Delivering a plain record (no tags: the common case) only queues it
+        here; the counters and the replay cursor are brought up to date a list
+        at a time, every ``_SETTLE_EVERY`` records and before anything reads
+        or changes the lane's progress. Batches and tagged records are
+        accounted at once, after the records owed before them.
+        """
+        owed = self._owed[lane]
+        if owed:
+            self._owed[lane] = []
+            self._stats.delivered_plain(lane, len(owed))
+            self.progress.delivered_plain(lane, owed)
+
+    def _settle_all(self) -> None:
+        for lane in self.lanes:
+            self._settle(lane)
+
+    def _replayed(self, record: SampleRecord) -> None:
+        self._settle(record.meta.lane_id)
+        self.progress.replayed(record)
+
     def _drain_sentinels(self, lane: int, queue: deque[Any]) -> None:
         """Sentinels at the head of a lane's queue: their epoch is fully delivered."""
+        self._settle(lane)
         while queue and type(queue[0]) is SampleRecord and queue[0].meta.is_flush_sentinel:
             self.progress.lanes[lane].sentinel_delivered(queue.popleft().meta.chunk_id)
 
@@ -300,6 +348,7 @@ class PipelineIterator:
             lane = elem.meta.lane_id
             tags = elem.meta.tags
             if tags and tags.get(TOMBSTONE_TAG):
+                self._settle(lane)
                 self._stats.control(lane, elem)
                 self.progress.close_refs(elem)
                 return
@@ -310,6 +359,7 @@ class PipelineIterator:
                 if queue:
                     queue.append(elem)
                 else:
+                    self._settle(lane)
                     self.progress.lanes[lane].sentinel_delivered(elem.meta.chunk_id)
                 return
         else:
@@ -317,6 +367,7 @@ class PipelineIterator:
         self._queues[lane].append(elem)
 
     def _on_chunk(self, chunk: Chunk) -> None:
+        self._settle(chunk.lane_id)
         self._stats.read(chunk.lane_id, len(chunk))
         self.progress.register(chunk)
 
@@ -332,6 +383,7 @@ class PipelineIterator:
         """
         from zephon_torch.checkpoint import STATE_VERSION, fingerprint_parts, state_checksum
 
+        self._settle_all()
         num_lanes = self.pipeline.source.num_lanes
         # A lane still replaying has delivered nothing new: its position is the loaded one.
         replaying = self._replay_filter_stage.acc.pending_lanes() | {
@@ -442,6 +494,7 @@ class PipelineIterator:
     def stats(self) -> dict[str, Any]:
         """Per-lane accounting (samples read, delivered, tombstoned by reason) and,
         per stage, micro-batches dispatched and sentinels seen or stalled."""
+        self._settle_all()
         report = self._stats.report()
         report["stages"] = {stage.name: dict(stage.counters) for stage in self.stages}
         report["replayed_samples"] = self.emitter.replayed
@@ -483,6 +536,10 @@ class _Stats:
 
     def read(self, lane: int, count: int) -> None:
         self._read[lane] += count
+
+    def delivered_plain(self, lane: int, count: int) -> None:
+        """``count`` plain records (no tags) of ``lane`` were delivered."""
+        self._delivered[lane] += count
 
     def delivered(self, lane: int, item: Any) -> None:
         if type(item) is SampleRecord:

@@ -1,0 +1,120 @@
+"""Stage fusion: runs of elementwise stages become one stage, with the same output."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+import zephon_torch as zt
+from tests.harness import assert_restores_everywhere, assert_same, collect
+from zephon_torch.ops.base import Element, Operator, OpTraits
+from zephon_torch.ops.fused import FusedOperator
+
+
+class Barrier(Operator):
+    """An identity operator that does not declare itself elementwise: never fused."""
+
+    name = "barrier"
+
+    def process_many(self, elems: Sequence[Element]) -> list[Element]:
+        return list(elems)
+
+
+def _items(n: int = 300) -> list[dict[str, Any]]:
+    words = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    return [{"text": " ".join(words[(i + j) % 5] for j in range(1 + i % 7)), "i": i}
+            for i in range(n)]
+
+
+def _upper(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "text": payload["text"].upper()}
+
+
+def _keep(payload: dict[str, Any]) -> bool:
+    return payload["i"] % 3 != 0
+
+
+def _tag(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "tagged": payload["i"] * 2}
+
+
+def _chain(tokenizer: Any, *, barriers: bool, shuffle: bool = False) -> zt.Pipeline:
+    pipe = zt.Pipeline.from_items(_items(), num_lanes=4, chunk_size=16, seed=3)
+    steps = [lambda p: p.map_transform(_upper), lambda p: p.filter(_keep),
+             lambda p: p.map_transform(_tag), lambda p: p.tokenize(tokenizer)]
+    for step in steps:
+        pipe = step(pipe)
+        if barriers:
+            pipe = pipe.apply(Barrier())
+    if shuffle:
+        pipe = pipe.shuffle(8, seed=5)
+    return pipe.batch(4)
+
+
+def _stage_names(pipe: zt.Pipeline, **kwargs: Any) -> list[str]:
+    it = pipe.iter(runner="inline", **kwargs)
+    try:
+        return [stage.name for stage in it.stages]
+    finally:
+        it.close()
+
+
+def test_a_run_of_elementwise_stages_compiles_to_one_stage(tokenizer: Any) -> None:
+    names = _stage_names(_chain(tokenizer, barriers=False))
+    assert names[0] == "map_transform_1+filter+map_transform_2+tokenize"
+    assert "replay_filter" in names and names[-1] == "batch"
+    unfused = _stage_names(_chain(tokenizer, barriers=True))
+    assert "map_transform_1" in unfused and "tokenize" in unfused
+
+
+def test_a_fused_stage_takes_the_largest_override_of_its_parts(tokenizer: Any) -> None:
+    pipe = _chain(tokenizer, barriers=False)
+    it = pipe.iter(runner="inline", microbatch_sizes={"map_transform_2": 5, "filter": 3})
+    try:
+        assert it.stages[0].name == "map_transform_1+filter+map_transform_2+tokenize"
+        assert it.stages[0].acc.max_batch == 5
+    finally:
+        it.close()
+    assert_same(collect(_chain(tokenizer, barriers=True)),
+                collect(pipe, runner="threads", num_workers=2,
+                        microbatch_sizes={"map_transform_2": 5, "filter": 3}))
+
+
+def test_remote_and_local_stages_are_not_fused(tokenizer: Any) -> None:
+    pipe = (zt.Pipeline.from_items(_items(), num_lanes=2, chunk_size=16)
+            .map_transform(_upper).map_transform(_tag, placement="remote").batch(2))
+    names = _stage_names(pipe)
+    assert names[:2] == ["map_transform_1", "map_transform_2"]
+
+
+@pytest.mark.parametrize("runner,workers", [("inline", 1), ("threads", 2), ("process", 2)])
+def test_fused_output_equals_the_unfused_chain(tokenizer: Any, runner: str,
+                                               workers: int) -> None:
+    want = collect(_chain(tokenizer, barriers=True), runner="inline")
+    got = collect(_chain(tokenizer, barriers=False), runner=runner, num_workers=workers)
+    assert_same(want, got, label=f"fused, {runner} x {workers}")
+    # the filter's tombstones really flowed through the fused stage
+    it = _chain(tokenizer, barriers=False).iter(runner="inline")
+    list(it)
+    lanes = it.stats()["lanes"].values()
+    assert sum(lane["tombstoned"].get("filter", 0) for lane in lanes) == len(_items()) // 3
+
+
+def test_fused_stage_before_a_shuffle_restores_everywhere(tokenizer: Any) -> None:
+    pipe = _chain(tokenizer, barriers=False, shuffle=True)
+    reference = assert_restores_everywhere(
+        pipe, cut_points=[0, 3, 11, 24],
+        resume_settings=({"runner": "threads", "num_workers": 2}, {"runner": "inline"}))
+    assert_same(collect(_chain(tokenizer, barriers=True, shuffle=True)), reference,
+                label="fused vs unfused, with a shuffle")
+
+
+def test_fused_operator_rejects_non_elementwise_parts() -> None:
+    with pytest.raises(ValueError, match="needs at least two"):
+        FusedOperator([("a", zt.ops.transform.MapTransform(_upper))])
+    with pytest.raises(ValueError, match=r"'barrier'.*not elementwise"):
+        FusedOperator([("a", zt.ops.transform.MapTransform(_upper)), ("barrier", Barrier())])
+    assert not Barrier().traits().elementwise
+    assert OpTraits().elementwise is False

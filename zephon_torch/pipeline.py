@@ -417,13 +417,20 @@ class Pipeline:
         world_size: int | None = None,
         microbatch_sizes: Mapping[str, int] | None = None,
         lanes: Sequence[int] | None = None,
+        verify: bool = False,
     ) -> PipelineIterator:
-        """Run the pipeline; see :class:`~zephon_torch.runners.iterator.PipelineIterator`."""
+        """Run the pipeline; see :class:`~zephon_torch.runners.iterator.PipelineIterator`.
+
+        ``verify=True`` checks at the end of the pass that every sample read
+        was delivered or tombstoned exactly once (see
+        :func:`zephon_torch.checks.assert_conserved`).
+        """
         from zephon_torch.runners.iterator import PipelineIterator
 
         return PipelineIterator(
             self, runner=runner, num_workers=num_workers, deterministic=deterministic,
             rank=rank, world_size=world_size, microbatch_sizes=microbatch_sizes, lanes=lanes,
+            verify=verify,
         )
 
     def to_torch_dataset(self, **iter_kwargs: Any) -> TorchIterableDataset:

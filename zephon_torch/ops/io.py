@@ -59,7 +59,7 @@ class _Unreadable:
     __slots__ = ("detail",)
 
     def __init__(self, detail: str) -> None:
-        self.detail = detail[:300]
+        self.detail = " ".join(detail.split())[:300]
 
 
 class Fetch(Operator):
@@ -124,15 +124,25 @@ class Fetch(Operator):
         time and mark the ids that still fail. Either way the outcome depends only on
         the data, so every runner and every resume decides the same."""
         if dataset.on_error != "skip":
-            first, last = min(local_ids), max(local_ids)
-            where = dataset.locate(shard_id, first)
-            span = "" if first == last else f" (through {dataset.locate(shard_id, last)})"
+            # Name the first sample that cannot be read on its own (the error path only).
+            where, cause = None, exc
+            for local_id in sorted(local_ids):
+                try:
+                    dataset.read(shard_id, [local_id])
+                except Exception as one:
+                    where, cause = dataset.locate(shard_id, local_id), one
+                    break
+            if where is None:  # each reads alone: name the whole group
+                first, last = min(local_ids), max(local_ids)
+                where = dataset.locate(shard_id, first)
+                if first != last:
+                    where += f" (through {dataset.locate(shard_id, last)})"
             raise ValueError(
-                f"fetch: cannot read {where}{span} of dataset {dataset.name!r}: "
-                f"{type(exc).__name__}: {exc}; the file may be truncated or corrupt: "
+                f"fetch: cannot read {where} of dataset {dataset.name!r}: "
+                f"{type(cause).__name__}: {cause}; the file may be truncated or corrupt: "
                 "re-create it, or pass on_error='skip' to the source to turn the samples "
                 "that cannot be read into counted tombstones"
-            ) from exc
+            ) from cause
         raws: list[Any] = []
         for local_id in local_ids:
             try:

@@ -56,11 +56,13 @@ def assert_conserved(iterator: PipelineIterator) -> dict[str, Any]:
         tombstoned = sum(counts["tombstoned"].values())
         accounted = counts["delivered"] + tombstoned + counts["replay_dropped"]
         if counts["read"] != accounted:
+            diff = counts["read"] - accounted
+            what = (f"{diff} sample(s) lost (neither delivered nor tombstoned)" if diff > 0
+                    else f"{-diff} sample(s) counted twice")
             problems.append(
                 f"lane {lane}: read {counts['read']} samples but accounted for {accounted} "
                 f"(delivered {counts['delivered']}, tombstoned {counts['tombstoned']}, "
-                f"replay_dropped {counts['replay_dropped']}); "
-                f"{counts['read'] - accounted:+d} sample(s) unaccounted"
+                f"replay_dropped {counts['replay_dropped']}): {what}"
             )
     detail = getattr(iterator, "_stats", None)
     duplicates = getattr(detail, "duplicates", None)

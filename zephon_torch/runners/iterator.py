@@ -407,8 +407,17 @@ class PipelineIterator:
                 f"{sorted(int(k) for k in state['lanes'])}); merge every rank's state with "
                 "zephon_torch.checkpoint.merge_states() before resuming on another world size"
             )
+        try:
+            self._build(resume=state)
+        except Exception as exc:
+            # Never half-loaded: whatever went wrong, the iterator starts afresh.
+            self._build()
+            raise ValueError(
+                f"corrupted state: it passed its checks but cannot be resumed "
+                f"({type(exc).__name__}: {exc}); nothing was loaded, this iterator starts "
+                "from the beginning; resume from another checkpoint"
+            ) from exc
         self._loaded = state
-        self._build(resume=state)
 
     @property
     def started(self) -> bool:

@@ -22,6 +22,14 @@ UTF-8, malformed JSON, not an object, missing or non-string field) is a
 ``ValueError`` naming the file and line, or, when the source or the operator
 says ``on_error="skip"``, a tombstone tagged ``"decode_error"``.
 
+``fetch`` treats a read that fails (a corrupt Parquet row group, a file
+removed since the pipeline was built) the same way: a ``ValueError`` naming
+the first sample that cannot be read, or, with the source's
+``on_error="skip"``, one ``"read_error"`` tombstone per sample that cannot
+be read on its own. Skipped samples carry what was wrong
+(:data:`~zephon_torch.ops.base.TOMBSTONE_DETAIL_TAG`) so the iterator can
+report them (``stats()["bad_samples"]`` and one warning per pass).
+
 Both operators find datasets in ``ctx.plan["datasets"]`` (dataset id ->
 :class:`~zephon_torch.sources.base.Dataset`) during :meth:`setup`.
 """

@@ -232,3 +232,15 @@ def test_an_edited_state_is_rejected_and_nothing_is_loaded(edit: str) -> None:
     fresh = pipe.iter(runner="inline")
     fresh.load_state_dict(state)
     assert len(list(fresh)) == len(collect(pipe, runner="inline")) - 7
+
+
+def test_the_dataloader_and_the_torch_dataset_take_verify() -> None:
+    pytest.importorskip("torch")
+    from zephon_torch import DataLoader
+
+    pipe = Pipeline.from_items([f"d{i}" for i in range(20)], num_lanes=2, chunk_size=4)
+    assert len(list(DataLoader(pipe.batch(2), verify=True, to_training=False))) == 10
+    assert len(list(pipe.to_torch_dataset(verify=True))) == 20
+    broken = pipe.apply(LosesOne()).batch(2, drop_last=False)
+    with pytest.raises(ConservationError, match="1 sample\\(s\\) lost"):
+        list(DataLoader(broken, verify=True, to_training=False))

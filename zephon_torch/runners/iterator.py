@@ -30,7 +30,13 @@ from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
 from zephon_torch.runners.engine import Engine, Stage
 from zephon_torch.sources.emitter import SourceEmitter
 from zephon_torch.sources.schedule import Chunk, WorkSchedule
-from zephon_torch.types import FLUSH_SENTINEL_TAG, TOMBSTONE_TAG, SampleBatch, SampleRecord
+from zephon_torch.types import (
+    CONTRIBUTORS_TAG,
+    FLUSH_SENTINEL_TAG,
+    TOMBSTONE_TAG,
+    SampleBatch,
+    SampleRecord,
+)
 
 if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
@@ -652,16 +658,24 @@ class _VerifyingStats(_Stats):
         self.chunks[(chunk.lane_id, chunk.chunk_id)] = len(chunk)
 
     def _close(self, record: SampleRecord) -> None:
-        lane = record.meta.lane_id
-        for ref in record.meta.contribution_refs():
-            if not ref.is_last_child:
-                continue
-            key = (lane, ref.cursor.chunk_id, ref.cursor.chunk_offset)
-            if key in self.closed:
-                self.duplicates.append(key)
-            elif not 0 <= key[2] < self.chunks.get(key[:2], 0):
-                self.strays.append(key)
-            self.closed.add(key)
+        meta = record.meta
+        lane = meta.lane_id
+        tags = meta.tags
+        if not tags or not tags.get(CONTRIBUTORS_TAG):  # a 1:1 record closes its own cursor
+            self._add((lane, meta.chunk_id, meta.chunk_offset))
+            return
+        for ref in tags[CONTRIBUTORS_TAG]:
+            if ref.is_last_child:
+                self._add((lane, ref.cursor.chunk_id, ref.cursor.chunk_offset))
+
+    def _add(self, key: tuple[int, int, int]) -> None:
+        closed = self.closed
+        before = len(closed)
+        closed.add(key)
+        if len(closed) == before:
+            self.duplicates.append(key)
+        elif not 0 <= key[2] < self.chunks.get((key[0], key[1]), 0):
+            self.strays.append(key)
 
     def delivered(self, lane: int, item: Any) -> None:
         super().delivered(lane, item)

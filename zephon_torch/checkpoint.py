@@ -442,12 +442,49 @@ def check_state(state: Any, fingerprint: Mapping[str, Any]) -> dict[str, Any]:
             "and flush_every_k_chunks"
         )
     for lane, entry in state["lanes"].items():
-        if not str(lane).isdigit() or not isinstance(entry, Mapping):
-            raise ValueError(f"corrupted state: lane entry {lane!r}")
+        if (not str(lane).isdigit() or int(lane) >= state["num_lanes"]
+                or not isinstance(entry, Mapping)):
+            raise ValueError(f"corrupted state: lane entry {lane!r} (the state has "
+                             f"{state['num_lanes']} lanes); nothing was loaded")
         for key in ("window", "next", "replay_cursor", "replay_count", "outputs"):
             if key not in entry:
-                raise ValueError(f"corrupted state: lane {lane} has no {key!r}")
+                raise ValueError(f"corrupted state: lane {lane} has no {key!r}; nothing was "
+                                 "loaded")
+        problem = _lane_entry_problem(entry)
+        if problem:
+            raise ValueError(f"corrupted state: lane {lane}: {problem}; nothing was loaded "
+                             "(resume from another checkpoint)")
     return dict(state)
+
+
+def _ints(value: Any, minimum: int = 1) -> bool:
+    """A list of at least ``minimum`` nonnegative integers."""
+    return (isinstance(value, list) and len(value) >= minimum
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
+
+
+def _lane_entry_problem(entry: Mapping[str, Any]) -> str | None:
+    """What is malformed in one lane's entry (shapes and types), or None."""
+    window = entry["window"]
+    if not isinstance(window, list) or not all(_ints(row, 2) for row in window):
+        return "'window' must be a list of [chunk, global_chunk, counts...] rows"
+    if entry["next"] is not None and not _ints(entry["next"]):
+        return "'next' must be None or [global_chunk, counts...]"
+    for key in ("replay_count", "outputs"):
+        value = entry[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f"{key!r} must be an integer >= 0, got {value!r}"
+    cursor = entry["replay_cursor"]
+    if cursor is not None and not (
+            isinstance(cursor, list) and len(cursor) == 4 and _ints(cursor[:2], 2)
+            and _ints(cursor[2], 0) and _ints(cursor[3], 3)):
+        return "'replay_cursor' must be None or [chunk, offset, lineage, sample_id]"
+    if cursor is not None and not window:
+        return "a replay cursor without a window"
+    boundaries = entry.get("epoch_boundaries", [])
+    if not _ints(boundaries, 0):
+        return "'epoch_boundaries' must be a list of chunk ids"
+    return None
 
 
 def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -82,18 +82,33 @@ class SourceConfig:
         if self.weights is not None:
             if len(self.weights) != len(self.datasets):
                 raise ValueError(
-                    f"weights has {len(self.weights)} entries for {len(self.datasets)} datasets"
+                    f"weights has {len(self.weights)} entries for {len(self.datasets)} "
+                    "datasets; give one weight per source (or a mapping component -> weight)"
                 )
-            if any(w < 0 for w in self.weights) or not sum(self.weights) > 0:
+            if any(not w >= 0 for w in self.weights) or not sum(self.weights) > 0:
                 raise ValueError(
                     f"weights must be nonnegative and sum to a positive number, got "
-                    f"{list(self.weights)}"
+                    f"{list(self.weights)}; give each component its share (they need not add "
+                    "up to 1), or weights=None for shares proportional to the sizes"
                 )
+
+
+_POSITIVE_HINTS = {
+    "num_lanes": "it is the unit of parallelism, fixed for a run: use at least the largest "
+                 "world size you will train on (8 is the default)",
+    "chunk_size": "it is the number of samples a lane reads at a time (512 is the default)",
+    "passes": "use a count of trips over the data, or None to repeat forever",
+}
 
 
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        hint = _POSITIVE_HINTS.get(name)
+        if hint is None and name.startswith("microbatch_sizes"):
+            hint = ("it is how many records one task of that stage holds; omit the stage to "
+                    "use the operator's default")
+        raise ValueError(f"{name} must be a positive integer, got {value!r}"
+                         + (f"; {hint}" if hint else ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,13 +466,20 @@ class Pipeline:
         world_size: int | None = None,
         microbatch_sizes: Mapping[str, int] | None = None,
         lanes: Sequence[int] | None = None,
+        verify: bool = False,
     ) -> PipelineIterator:
-        """Run the pipeline; see :class:`~zephon_torch.runners.iterator.PipelineIterator`."""
+        """Run the pipeline; see :class:`~zephon_torch.runners.iterator.PipelineIterator`.
+
+        ``verify=True`` checks at the end of the pass that every sample read
+        was delivered or tombstoned exactly once (see
+        :func:`zephon_torch.checks.assert_conserved`).
+        """
         from zephon_torch.runners.iterator import PipelineIterator
 
         return PipelineIterator(
             self, runner=runner, num_workers=num_workers, deterministic=deterministic,
             rank=rank, world_size=world_size, microbatch_sizes=microbatch_sizes, lanes=lanes,
+            verify=verify,
         )
 
     def to_torch_dataset(self, **iter_kwargs: Any) -> TorchIterableDataset:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from zephon_torch.ops.accumulators import Accumulator
 
 __all__ = [
+    "TOMBSTONE_DETAIL_TAG",
     "TOMBSTONE_REASON_TAG",
     "Element",
     "OpContext",
@@ -191,17 +192,25 @@ def check_elements(result: Any, stage: str) -> list[Element]:
 
 #: Tag holding why a record was tombstoned (``"filter"``, ``"empty"``, ...).
 TOMBSTONE_REASON_TAG = "_tombstone_reason"
+#: Tag holding what was wrong with a skipped bad sample (``"malformed JSON (...)"``).
+TOMBSTONE_DETAIL_TAG = "_tombstone_detail"
 
 
-def tombstone(record: SampleRecord, reason: str) -> SampleRecord:
+def tombstone(record: SampleRecord, reason: str, detail: str | None = None) -> SampleRecord:
     """Turn a dropped record into a tombstone that still closes its base offsets.
 
     The tombstone keeps the record's meta (its cursor and contributors), so
     progress accounting closes exactly what the record would have closed; it
     carries no payload and the ``reason`` under :data:`TOMBSTONE_REASON_TAG`.
+    Reasons ending in ``"_error"`` mean a bad sample skipped by
+    ``on_error="skip"``; ``detail`` (what was wrong, under
+    :data:`TOMBSTONE_DETAIL_TAG`) then reaches ``stats()["bad_samples"]`` and
+    the iterator's skip warning.
     """
     meta = record.meta
     tags = dict(meta.tags)
     tags["_tombstone"] = True
     tags[TOMBSTONE_REASON_TAG] = reason
+    if detail is not None:
+        tags[TOMBSTONE_DETAIL_TAG] = detail
     return SampleRecord(meta._replace(tags=tags), None)

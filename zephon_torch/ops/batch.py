@@ -54,7 +54,8 @@ class Batch(Operator):
         if (not isinstance(microbatch_size, int) or isinstance(microbatch_size, bool)
                 or microbatch_size < 1):
             raise ValueError(
-                f"batch microbatch_size must be a positive integer, got {microbatch_size!r}"
+                f"batch microbatch_size must be a positive integer, got {microbatch_size!r}; "
+                "it is the number of records (rows) per batch handed to the trainer"
             )
         self.microbatch_size = microbatch_size
         self.drop_last = bool(drop_last)

@@ -22,6 +22,14 @@ UTF-8, malformed JSON, not an object, missing or non-string field) is a
 ``ValueError`` naming the file and line, or, when the source or the operator
 says ``on_error="skip"``, a tombstone tagged ``"decode_error"``.
 
+``fetch`` treats a read that fails (a corrupt Parquet row group, a file
+removed since the pipeline was built) the same way: a ``ValueError`` naming
+the first sample that cannot be read, or, with the source's
+``on_error="skip"``, one ``"read_error"`` tombstone per sample that cannot
+be read on its own. Skipped samples carry what was wrong
+(:data:`~zephon_torch.ops.base.TOMBSTONE_DETAIL_TAG`) so the iterator can
+report them (``stats()["bad_samples"]`` and one warning per pass).
+
 Both operators find datasets in ``ctx.plan["datasets"]`` (dataset id ->
 :class:`~zephon_torch.sources.base.Dataset`) during :meth:`setup`.
 """
@@ -51,6 +59,15 @@ def _datasets_of(ctx: OpContext, op: str) -> dict[int, Dataset]:
         raise ValueError(f"{op}: ctx.plan['datasets'] must map dataset ids to datasets, "
                          f"got {type(datasets).__name__}")
     return dict(datasets)
+
+
+class _Unreadable:
+    """A sample ``fetch`` could not read (skip mode): becomes a ``read_error`` tombstone."""
+
+    __slots__ = ("detail",)
+
+    def __init__(self, detail: str) -> None:
+        self.detail = " ".join(detail.split())[:300]
 
 
 class Fetch(Operator):
@@ -94,13 +111,53 @@ class Fetch(Operator):
         for (dataset_id, shard_id), positions in groups.items():
             dataset = self._dataset(dataset_id)
             local_ids = [out[p].meta.sample_id[2] for p in positions]
-            raws = dataset.read(shard_id, local_ids)
+            try:
+                raws = dataset.read(shard_id, local_ids)
+            except Exception as exc:  # a damaged file: name it, or skip what cannot be read
+                raws = self._read_failed(dataset, shard_id, local_ids, exc)
             if len(raws) != len(positions):
                 raise RuntimeError(f"fetch: dataset {dataset.name!r} returned {len(raws)} "
                                    f"payloads for {len(positions)} ids of shard {shard_id}")
             for position, raw in zip(positions, raws):
-                out[position] = SampleRecord(out[position].meta, raw)
+                if isinstance(raw, _Unreadable):
+                    out[position] = tombstone(out[position], "read_error", raw.detail)
+                else:
+                    out[position] = SampleRecord(out[position].meta, raw)
         return out
+
+    @staticmethod
+    def _read_failed(dataset: Dataset, shard_id: int, local_ids: list[int],
+                     exc: Exception) -> list[Any]:
+        """After a failed group read: raise naming the place, or (skip) read one id at a
+        time and mark the ids that still fail. Either way the outcome depends only on
+        the data, so every runner and every resume decides the same."""
+        if dataset.on_error != "skip":
+            # Name the first sample that cannot be read on its own (the error path only).
+            where, cause = None, exc
+            for local_id in sorted(local_ids):
+                try:
+                    dataset.read(shard_id, [local_id])
+                except Exception as one:
+                    where, cause = dataset.locate(shard_id, local_id), one
+                    break
+            if where is None:  # each reads alone: name the whole group
+                first, last = min(local_ids), max(local_ids)
+                where = dataset.locate(shard_id, first)
+                if first != last:
+                    where += f" (through {dataset.locate(shard_id, last)})"
+            raise ValueError(
+                f"fetch: cannot read {where} of dataset {dataset.name!r}: "
+                f"{type(cause).__name__}: {cause}; the file may be truncated or corrupt: "
+                "re-create it, or pass on_error='skip' to the source to turn the samples "
+                "that cannot be read into counted tombstones"
+            ) from cause
+        raws: list[Any] = []
+        for local_id in local_ids:
+            try:
+                raws.extend(dataset.read(shard_id, [local_id]))
+            except Exception as one:
+                raws.append(_Unreadable(f"{type(one).__name__}: {one}"))
+        return raws
 
     def _dataset(self, dataset_id: int) -> Dataset:
         if self._datasets is None:
@@ -203,9 +260,10 @@ class DecodeText(Operator):
             return record  # token arrays and other payloads are already decoded
         except _DecodeError as exc:
             if self.on_error == "skip" or (dataset is not None and dataset.on_error == "skip"):
-                return tombstone(record, "decode_error")
+                return tombstone(record, "decode_error", str(exc)[:300])
             where = (f"{dataset.locate(meta.sample_id[1], meta.sample_id[2])}"
                      if dataset is not None else "the input")
+            where += _last_line_hint(dataset, meta.sample_id, payload)
             raise ValueError(f"decode_text: {exc} at {where} (sample {meta.sample_id}); fix "
                              "the data, or pass on_error='skip' to the source or to "
                              "decode_text() to turn such samples into counted tombstones"
@@ -234,6 +292,31 @@ class DecodeText(Operator):
         if self._datasets is None:
             return None
         return self._datasets.get(dataset_id)
+
+
+def _last_line_hint(dataset: Dataset | None, sample_id: tuple[int, int, int],
+                    payload: Any) -> str:
+    """A hint when the bad sample is the unterminated last line of a JSON Lines file."""
+    if dataset is None or dataset.raw_format != "json":
+        return ""
+    _, shard_id, local_id = sample_id
+    try:
+        shard = dataset.shards()[shard_id]
+        path = shard.path
+        if local_id != shard.num_samples - 1 or path is None or "://" in path:
+            return ""
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            if fh.tell() == 0:
+                return ""
+            fh.seek(-1, 2)
+            ends_with_newline = fh.read(1) == b"\n"
+    except (OSError, IndexError):
+        return ""
+    if ends_with_newline or path.endswith((".gz", ".zst")):
+        return ""
+    return (", the file's last line, which has no line ending: the file looks truncated "
+            "(cut off while it was written or copied)")
 
 
 def _as_text(payload: bytes | bytearray | memoryview | str) -> str:

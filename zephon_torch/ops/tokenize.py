@@ -85,6 +85,7 @@ ChatTemplate = Callable[[Sequence[Mapping[str, Any]]], Sequence[tuple[str, bool]
 
 def _load_tokenizer_json(tokenizer: Any) -> str:
     """The tokenizer's JSON with padding and truncation switched off."""
+    where = ""
     if isinstance(tokenizer, Tokenizer):
         raw = tokenizer.to_str()
     elif isinstance(tokenizer, (str, os.PathLike)):
@@ -92,8 +93,14 @@ def _load_tokenizer_json(tokenizer: Any) -> str:
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
-        raw = path.read_text(encoding="utf-8")
+            raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist; pass the "
+                                    "path of a tokenizer.json (or of a folder holding one)")
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the tokenizer file {str(path)!r} ({exc}); it must be "
+                             "a tokenizer.json saved by tokenizers or transformers") from exc
+        where = f" from {str(path)!r}"
     elif isinstance(getattr(tokenizer, "backend_tokenizer", None), Tokenizer):
         # A transformers fast tokenizer wraps a tokenizers.Tokenizer.
         raw = tokenizer.backend_tokenizer.to_str()
@@ -105,7 +112,11 @@ def _load_tokenizer_json(tokenizer: Any) -> str:
     try:
         tok = Tokenizer.from_str(raw)
     except Exception as exc:  # the Rust side raises a bare Exception
-        raise ValueError(f"could not load the tokenizer JSON: {exc}") from exc
+        raise ValueError(
+            f"could not load the tokenizer{where}: {exc}; the file must be a complete "
+            "tokenizer.json (save one with Tokenizer.save() or tokenizer.save_pretrained()); a "
+            "truncated or hand-edited file, or a slow (sentencepiece) tokenizer, will not load"
+        ) from exc
     tok.no_padding()
     tok.no_truncation()
     return tok.to_str()
@@ -202,7 +213,7 @@ class _TokenizerOperator(Operator):
     def _reject(self, rec: SampleRecord, reason: str, message: str) -> SampleRecord:
         if self.on_error == "raise":
             raise ValueError(message)
-        return tombstone(rec, reason)
+        return tombstone(rec, reason, message[:300])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -23,13 +23,21 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, OpContext
+import numpy as np
+
+from zephon_torch.ops.base import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG, OpContext
 from zephon_torch.ops.fused import parts_of
 from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
 from zephon_torch.runners.engine import Engine, Stage
 from zephon_torch.sources.emitter import SourceEmitter
 from zephon_torch.sources.schedule import Chunk, WorkSchedule
-from zephon_torch.types import FLUSH_SENTINEL_TAG, TOMBSTONE_TAG, SampleBatch, SampleRecord
+from zephon_torch.types import (
+    CONTRIBUTORS_TAG,
+    FLUSH_SENTINEL_TAG,
+    TOMBSTONE_TAG,
+    SampleBatch,
+    SampleRecord,
+)
 
 if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
@@ -99,6 +107,11 @@ class PipelineIterator:
             ``RANK``/``WORLD_SIZE``, then 0 and 1).
         microbatch_sizes: ``{stage_name: size}`` performance overrides.
         lanes: An explicit subset of lanes (tools and tests).
+        verify: Check conservation at the end of the pass: every sample read
+            was delivered, tombstoned or (after a resume) dropped as already
+            delivered, exactly once; a
+            :class:`~zephon_torch.checks.ConservationError` says otherwise.
+            It costs a little Python work per item, so it is off by default.
     """
 
     def __init__(
@@ -112,6 +125,7 @@ class PipelineIterator:
         world_size: int | None = None,
         microbatch_sizes: Mapping[str, int] | None = None,
         lanes: Sequence[int] | None = None,
+        verify: bool = False,
     ) -> None:
         if runner not in _RUNNERS:
             raise ValueError(f"unknown runner {runner!r}; use one of {list(_RUNNERS)}")
@@ -130,6 +144,7 @@ class PipelineIterator:
         self.runner = runner
         self.num_workers = num_workers
         self.deterministic = deterministic
+        self.verify = bool(verify)
         src = pipeline.source
         self.rank, self.world_size = resolve_topology(rank, world_size)
         self.lanes = owned_lanes(src.num_lanes, self.rank, self.world_size, lanes)
@@ -147,6 +162,7 @@ class PipelineIterator:
         self._pool = self._make_pool([c.op for c in self._compiled], self._ctxs)
         self.flush_every = pipeline.flush_every()
         self._fingerprint = pipeline.fingerprint()
+        self._datasets = list(src.datasets)
         self._started = False
         self._loaded: Mapping[str, Any] = {"lanes": {}}
         self._build()
@@ -157,7 +173,8 @@ class PipelineIterator:
 
         src = self.pipeline.source
         self.progress = ProgressTracker(self.lanes, self.flush_every)
-        self._stats = _Stats(self.lanes)
+        self._stats = (_VerifyingStats if self.verify else _Stats)(self.lanes)
+        self._reported = False
         self._queues: dict[int, deque[Any]] = {lane: deque() for lane in self.lanes}
         # Records handed to the caller whose accounting is still owed: settled
         # in bulk (see _settle) before anything reads or moves the progress.
@@ -166,7 +183,7 @@ class PipelineIterator:
         self._ended: set[int] = set()
         replay_filter = next(c.op for c in self._compiled if isinstance(c.op, ReplayFilter))
         replay_filter.targets = {}
-        replay_filter.on_drop = self._replayed
+        replay_filter.on_drop = self._on_replay_drop
         start, lane_next, replay = None, {}, []
         if resume is not None:
             start, lane_next, replay = self._resume_plan(resume, replay_filter, key_from_json)
@@ -263,6 +280,10 @@ class PipelineIterator:
         while True:
             if len(self._ended) == len(lanes):
                 self.close()  # release the workers now, not at garbage collection
+                if self.verify:
+                    from zephon_torch.checks import assert_conserved
+
+                    assert_conserved(self)
                 raise StopIteration
             lane = lanes[self._rr]
             queue = queues[lane]
@@ -306,16 +327,12 @@ class PipelineIterator:
         owed = self._owed[lane]
         if owed:
             self._owed[lane] = []
-            self._stats.delivered_plain(lane, len(owed))
+            self._stats.delivered_plain(lane, owed)
             self.progress.delivered_plain(lane, owed)
 
     def _settle_all(self) -> None:
         for lane in self.lanes:
             self._settle(lane)
-
-    def _replayed(self, record: SampleRecord) -> None:
-        self._settle(record.meta.lane_id)
-        self.progress.replayed(record)
 
     def _drain_sentinels(self, lane: int, queue: deque[Any]) -> None:
         """Sentinels at the head of a lane's queue: their epoch is fully delivered."""
@@ -368,8 +385,13 @@ class PipelineIterator:
 
     def _on_chunk(self, chunk: Chunk) -> None:
         self._settle(chunk.lane_id)
-        self._stats.read(chunk.lane_id, len(chunk))
+        self._stats.read(chunk, self._datasets)
         self.progress.register(chunk)
+
+    def _on_replay_drop(self, record: SampleRecord) -> None:
+        self._settle(record.meta.lane_id)
+        self._stats.dropped(record)
+        self.progress.replayed(record)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -440,8 +462,17 @@ class PipelineIterator:
                 f"{sorted(int(k) for k in state['lanes'])}); merge every rank's state with "
                 "zephon_torch.checkpoint.merge_states() before resuming on another world size"
             )
+        try:
+            self._build(resume=state)
+        except Exception as exc:
+            # Never half-loaded: whatever went wrong, the iterator starts afresh.
+            self._build()
+            raise ValueError(
+                f"corrupted state: it passed its checks but cannot be resumed "
+                f"({type(exc).__name__}: {exc}); nothing was loaded, this iterator starts "
+                "from the beginning; resume from another checkpoint"
+            ) from exc
         self._loaded = state
-        self._build(resume=state)
 
     @property
     def started(self) -> bool:
@@ -492,14 +523,56 @@ class PipelineIterator:
     # ------------------------------------------------------------------ reporting
 
     def stats(self) -> dict[str, Any]:
-        """Per-lane accounting (samples read, delivered, tombstoned by reason) and,
-        per stage, micro-batches dispatched and sentinels seen or stalled."""
+        """What this iterator has read and what became of it.
+
+        ``lanes`` maps each lane to ``read`` (samples of the chunks emitted),
+        ``delivered`` (samples closed by what the caller received),
+        ``tombstoned`` (``{reason: count}``), ``replayed`` (samples re-read
+        from the replayed window after a resume), ``replay_dropped`` (of
+        those, the ones the caller had received before the checkpoint,
+        dropped again) and ``bytes_read`` (storage the samples occupy; see
+        ``Dataset.sample_bytes``). At the end of a pass, per lane,
+        ``read == delivered + sum(tombstoned) + replay_dropped``
+        (:func:`zephon_torch.checks.assert_conserved` checks it). The top
+        level holds the totals, ``bad_samples`` (the first few samples
+        skipped by ``on_error="skip"``: reason, location, detail), and per
+        stage the micro-batches dispatched and sentinels seen or stalled.
+        """
         self._settle_all()
-        report = self._stats.report()
+        replayed = self.emitter.replayed_by_lane
+        report = self._stats.report(replayed)
+        report["bad_samples"] = [self._describe_bad(entry) for entry in self._stats.bad]
         report["stages"] = {stage.name: dict(stage.counters) for stage in self.stages}
         report["replayed_samples"] = self.emitter.replayed
-        report["replayed_by_lane"] = dict(self.emitter.replayed_by_lane)
+        report["replayed_by_lane"] = dict(replayed)
         return report
+
+    def _describe_bad(self, entry: tuple[str, tuple[int, int, int], str | None]) -> dict[str, Any]:
+        reason, sample_id, detail = entry
+        dataset_id, shard_id, local_id = sample_id
+        try:
+            where = self._datasets[dataset_id].locate(shard_id, local_id)
+        except Exception:  # a location is a courtesy; never fail the report
+            where = f"sample {sample_id}"
+        return {"reason": reason, "sample_id": sample_id, "where": where, "detail": detail}
+
+    def _report_skips(self) -> None:
+        """One warning for the samples ``on_error="skip"`` turned into tombstones."""
+        if self._reported or not self._stats.bad_total:
+            return
+        self._reported = True
+        counts = ", ".join(f"{reason}: {n}" for reason, n in sorted(self._stats.bad_counts.items()))
+        first = "; ".join(
+            f"{d['where']} ({d['reason']}{': ' + d['detail'] if d['detail'] else ''})"
+            for d in (self._describe_bad(e) for e in self._stats.bad[:_WARN_EXAMPLES])
+        )
+        warnings.warn(
+            f"zephon_torch: on_error='skip' turned {self._stats.bad_total} bad sample(s) of "
+            f"lanes {self.lanes} into tombstones ({counts}); first: {first}. They are counted "
+            "in stats()['lanes'][lane]['tombstoned']; fix the data or use on_error='raise' to "
+            "stop at the first one",
+            RuntimeWarning, stacklevel=2,
+        )
 
     # ------------------------------------------------------------------ lifetime
 
@@ -508,6 +581,8 @@ class PipelineIterator:
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(Exception):  # a report must never block the release
+            self._report_skips()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
@@ -525,6 +600,15 @@ class PipelineIterator:
             self.close()
 
 
+_WARN_EXAMPLES = 5  # bad samples named in the skip warning
+_KEEP_BAD = 20  # bad samples kept for stats()
+
+
+def is_error_reason(reason: str) -> bool:
+    """Whether a tombstone reason means a bad sample skipped by ``on_error="skip"``."""
+    return reason.endswith("_error")
+
+
 class _Stats:
     """Counters per lane; a base sample counts when a contribution closes it."""
 
@@ -532,14 +616,39 @@ class _Stats:
         self.lanes = list(lanes)
         self._read = dict.fromkeys(lanes, 0)
         self._delivered = dict.fromkeys(lanes, 0)
+        self._dropped = dict.fromkeys(lanes, 0)
+        self._bytes = dict.fromkeys(lanes, 0)
         self._tombstoned: dict[int, dict[str, int]] = {lane: {} for lane in lanes}
+        self.bad: list[tuple[str, tuple[int, int, int], str | None]] = []
+        self.bad_counts: dict[str, int] = {}
+        self.bad_total = 0
 
-    def read(self, lane: int, count: int) -> None:
-        self._read[lane] += count
+    def read(self, chunk: Chunk, datasets: Sequence[Any]) -> None:
+        """A chunk emitted: its samples and the bytes they occupy (one call per shard run)."""
+        lane = chunk.lane_id
+        self._read[lane] += len(chunk)
+        dataset_ids, shard_ids, local_ids = chunk.dataset_ids, chunk.shard_ids, chunk.local_ids
+        n = len(local_ids)
+        if not n:
+            return
+        # Runs of one (dataset, shard): a chunk usually holds one or a few.
+        change = np.flatnonzero((dataset_ids[1:] != dataset_ids[:-1])
+                                | (shard_ids[1:] != shard_ids[:-1])) + 1
+        starts = [0, *change.tolist()]
+        ends = [*change.tolist(), n]
+        total = 0
+        for a, b in zip(starts, ends):
+            dataset = datasets[int(dataset_ids[a])]
+            total += dataset.sample_bytes(int(shard_ids[a]), local_ids[a:b])
+        self._bytes[lane] += total
 
-    def delivered_plain(self, lane: int, count: int) -> None:
-        """``count`` plain records (no tags) of ``lane`` were delivered."""
-        self._delivered[lane] += count
+    def dropped(self, record: SampleRecord) -> None:
+        """A replayed record the replay filter dropped (delivered before the checkpoint)."""
+        self._dropped[record.meta.lane_id] += _closes(record)
+
+    def delivered_plain(self, lane: int, records: list[SampleRecord]) -> None:
+        """Plain records (no tags) of ``lane`` were delivered: each closes itself."""
+        self._delivered[lane] += len(records)
 
     def delivered(self, lane: int, item: Any) -> None:
         if type(item) is SampleRecord:
@@ -548,17 +657,28 @@ class _Stats:
             self._delivered[lane] += sum(_closes(r) for r in item.records)
 
     def control(self, lane: int, record: SampleRecord) -> None:
-        if record.meta.tags.get(TOMBSTONE_TAG):
-            reason = record.meta.tags.get(TOMBSTONE_REASON_TAG, "unknown")
+        tags = record.meta.tags
+        if tags.get(TOMBSTONE_TAG):
+            reason = tags.get(TOMBSTONE_REASON_TAG, "unknown")
             per_lane = self._tombstoned[lane]
-            per_lane[reason] = per_lane.get(reason, 0) + _closes(record)
+            closes = _closes(record)
+            per_lane[reason] = per_lane.get(reason, 0) + closes
+            if is_error_reason(reason):
+                self.bad_total += closes
+                self.bad_counts[reason] = self.bad_counts.get(reason, 0) + closes
+                if len(self.bad) < _KEEP_BAD:
+                    self.bad.append((reason, tuple(record.meta.sample_id),
+                                     tags.get(TOMBSTONE_DETAIL_TAG)))
 
-    def report(self) -> dict[str, Any]:
+    def report(self, replayed: Mapping[int, int]) -> dict[str, Any]:
         lanes = {
             lane: {
                 "read": self._read[lane],
                 "delivered": self._delivered[lane],
                 "tombstoned": dict(self._tombstoned[lane]),
+                "replayed": int(replayed.get(lane, 0)),
+                "replay_dropped": self._dropped[lane],
+                "bytes_read": self._bytes[lane],
             }
             for lane in self.lanes
         }
@@ -567,7 +687,69 @@ class _Stats:
             "read": sum(v["read"] for v in lanes.values()),
             "delivered": sum(v["delivered"] for v in lanes.values()),
             "tombstoned": sum(sum(v["tombstoned"].values()) for v in lanes.values()),
+            "replayed": sum(v["replayed"] for v in lanes.values()),
+            "replay_dropped": sum(v["replay_dropped"] for v in lanes.values()),
+            "bytes_read": sum(v["bytes_read"] for v in lanes.values()),
         }
+
+
+class _VerifyingStats(_Stats):
+    """:class:`_Stats` that also records every closed base sample (``verify=True``).
+
+    Keys are ``(lane, chunk_id, offset)``; a key closed twice is kept in
+    ``duplicates`` and one that belongs to no chunk read here in ``strays``.
+    """
+
+    def __init__(self, lanes: Sequence[int]) -> None:
+        super().__init__(lanes)
+        self.chunks: dict[tuple[int, int], int] = {}
+        self.closed: set[tuple[int, int, int]] = set()
+        self.duplicates: list[tuple[int, int, int]] = []
+        self.strays: list[tuple[int, int, int]] = []
+
+    def read(self, chunk: Chunk, datasets: Sequence[Any]) -> None:
+        super().read(chunk, datasets)
+        self.chunks[(chunk.lane_id, chunk.chunk_id)] = len(chunk)
+
+    def _close(self, record: SampleRecord) -> None:
+        meta = record.meta
+        lane = meta.lane_id
+        tags = meta.tags
+        if not tags or not tags.get(CONTRIBUTORS_TAG):  # a 1:1 record closes its own cursor
+            self._add((lane, meta.chunk_id, meta.chunk_offset))
+            return
+        for ref in tags[CONTRIBUTORS_TAG]:
+            if ref.is_last_child:
+                self._add((lane, ref.cursor.chunk_id, ref.cursor.chunk_offset))
+
+    def _add(self, key: tuple[int, int, int]) -> None:
+        closed = self.closed
+        before = len(closed)
+        closed.add(key)
+        if len(closed) == before:
+            self.duplicates.append(key)
+        elif not 0 <= key[2] < self.chunks.get((key[0], key[1]), 0):
+            self.strays.append(key)
+
+    def delivered_plain(self, lane: int, records: list[SampleRecord]) -> None:
+        super().delivered_plain(lane, records)
+        for record in records:
+            meta = record.meta
+            self._add((lane, meta.chunk_id, meta.chunk_offset))
+
+    def delivered(self, lane: int, item: Any) -> None:
+        super().delivered(lane, item)
+        for record in (item.records if type(item) is SampleBatch else (item,)):
+            self._close(record)
+
+    def control(self, lane: int, record: SampleRecord) -> None:
+        super().control(lane, record)
+        if record.meta.tags.get(TOMBSTONE_TAG):
+            self._close(record)
+
+    def dropped(self, record: SampleRecord) -> None:
+        super().dropped(record)
+        self._close(record)
 
 
 def _closes(record: SampleRecord) -> int:

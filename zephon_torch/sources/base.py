@@ -27,7 +27,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["POINTER", "Dataset", "Pointer", "Shard", "is_pointer"]
 
@@ -123,6 +126,15 @@ class Dataset(ABC):
         """Where a sample lives, for error messages (``"a.jsonl line 17"``)."""
         shard = self.shards()[shard_id]
         return f"{shard.path or self.name} sample {local_id}"
+
+    def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:
+        """Bytes of storage that reading ``local_ids`` of a shard covers (for ``stats()``).
+
+        The default is 0 (an in-memory dataset reads no storage). File
+        datasets answer from what they already know (line offsets, row-group
+        sizes, file sizes), without reading anything.
+        """
+        return 0
 
     def describe(self) -> dict[str, Any]:
         """The fingerprint part of this dataset: kind, name, shard names and sizes."""

@@ -135,6 +135,18 @@ def _shard_names(paths: Sequence[str]) -> list[str]:
     return [posixpath.relpath(p, root) for p in normed]
 
 
+def _even_share(total: int, count: int, ids: np.ndarray) -> int:
+    """Bytes of ``ids`` when ``total`` bytes are spread evenly over ``count`` samples.
+
+    Sample ``i`` gets ``floor((i+1)*total/count) - floor(i*total/count)``, so
+    the shares of all samples add up to ``total`` exactly.
+    """
+    if count <= 0 or not ids.size:
+        return 0
+    ids = ids.astype(np.int64)
+    return int(((ids + 1) * total // count - ids * total // count).sum())
+
+
 class _FileDataset(Dataset):
     """What every file dataset shares: options, shards and id checks."""
 
@@ -429,6 +441,19 @@ class JsonlDataset(_FileDataset):
         if count != expected:
             raise ValueError(changed)
 
+    def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:
+        """Bytes of the lines (with their line ending) of a plain file; for a
+        compressed stream, the file's size spread evenly over its lines."""
+        file = self._files[shard_id]
+        n = self._shards[shard_id].num_samples
+        ids = np.asarray(local_ids, dtype=np.int64)
+        if file.compression is not None or not ids.size:
+            return _even_share(file.stat.size, n, ids)
+        offsets = self._index(shard_id)[:, 0]
+        after = ids + 1
+        ends = np.where(after < n, offsets[np.minimum(after, n - 1)], file.stat.size)
+        return int((ends - offsets[ids]).sum())
+
     def locate(self, shard_id: int, local_id: int) -> str:
         """``"data/part-0.jsonl line 17"`` (the 1-based line in the file)."""
         file = self._files[shard_id]
@@ -512,6 +537,17 @@ def _table_rows(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
     return [dict(zip(names, values)) for values in zip(*columns)]
 
 
+def _group_bytes(group: Any, columns: Sequence[str] | None) -> int:
+    """Compressed bytes of a row group's column chunks (only ``columns`` if given)."""
+    wanted = None if columns is None else set(columns)
+    total = 0
+    for i in range(group.num_columns):
+        chunk = group.column(i)
+        if wanted is None or chunk.path_in_schema.split(".")[0] in wanted:
+            total += int(chunk.total_compressed_size)
+    return total
+
+
 class ParquetDataset(_FileDataset):
     """Parquet files: one sample per row, read by row group.
 
@@ -559,17 +595,20 @@ class ParquetDataset(_FileDataset):
         files = expand_paths(paths, what="parquet", suffixes=PARQUET_SUFFIXES)
         self._paths = files
         self._bounds: list[np.ndarray] = []
+        self._group_bytes: list[np.ndarray] = []
         self._handles = HandlePool(8)
         self._groups = LRUCache(self.row_group_cache_size)
         for shard_id, (path, shard_name) in enumerate(zip(files, _shard_names(files))):
-            counts = self._row_group_sizes(pq, path)
+            counts, sizes = self._row_group_sizes(pq, path)
+            self._group_bytes.append(np.asarray(sizes, dtype=np.int64))
             bounds = np.zeros(len(counts) + 1, dtype=np.int64)
             np.cumsum(counts, out=bounds[1:])
             self._bounds.append(bounds)
             self._shards.append(Shard(shard_id=shard_id, num_samples=int(bounds[-1]),
                                       name=shard_name, path=path, access="pointer"))
 
-    def _row_group_sizes(self, pq: Any, path: str) -> list[int]:
+    def _row_group_sizes(self, pq: Any, path: str) -> tuple[list[int], list[int]]:
+        """Rows and compressed bytes (of the columns read) of each row group."""
         try:
             raw = open_binary(path) if is_url(path) else None
             try:
@@ -577,6 +616,8 @@ class ParquetDataset(_FileDataset):
                     meta = pf.metadata
                     names = pf.schema_arrow.names
                     counts = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+                    sizes = [_group_bytes(meta.row_group(i), self.columns)
+                             for i in range(meta.num_row_groups)]
             finally:
                 if raw is not None:
                     raw.close()
@@ -586,12 +627,12 @@ class ParquetDataset(_FileDataset):
                 raise ValueError(f"{message}; check the file, or pass on_error='skip' to "
                                  "treat it as an empty shard") from exc
             self._warn(f"{message}; on_error='skip' treats it as a shard of 0 samples")
-            return []
+            return [], []
         missing = [c for c in self.columns or () if c not in names]
         if missing:
             raise ValueError(f"parquet: {path!r} has no column {', '.join(map(repr, missing))}; "
                              f"its columns are {names}")
-        return counts
+        return counts, sizes
 
     def _read_row_group(self, shard_id: int, row_group: int) -> Any:
         """Decode one row group of a shard (a ``pyarrow.Table`` of ``columns``)."""
@@ -621,6 +662,20 @@ class ParquetDataset(_FileDataset):
             for position, row in zip(where.tolist(), rows):
                 out[position] = row
         return out
+
+    def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:
+        """Each row group's compressed size (of the columns read) spread over its rows."""
+        ids = np.asarray(local_ids, dtype=np.int64)
+        if not ids.size:
+            return 0
+        bounds = self._bounds[shard_id]
+        sizes = self._group_bytes[shard_id]
+        groups = np.searchsorted(bounds, ids, side="right") - 1
+        total = 0
+        for group in np.unique(groups).tolist():
+            rows = ids[groups == group] - bounds[group]
+            total += _even_share(int(sizes[group]), int(bounds[group + 1] - bounds[group]), rows)
+        return total
 
     def locate(self, shard_id: int, local_id: int) -> str:
         """``"x.parquet row 12"`` (the 0-based row in the file)."""
@@ -666,6 +721,7 @@ class TextFilesDataset(_FileDataset):
         self.field = _check_field(field)
         files = expand_paths(paths, what="text_files", suffixes=None)
         self._paths = files
+        self._sizes = [stat_file(p).size for p in files]
         self._shards = [Shard(shard_id=i, num_samples=1, name=n, path=p, access="pointer")
                         for i, (p, n) in enumerate(zip(files, _shard_names(files)))]
 
@@ -677,6 +733,10 @@ class TextFilesDataset(_FileDataset):
         with open_binary(self._paths[shard_id]) as fh:
             data = fh.read()
         return [data] * ids.size
+
+    def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:
+        """The file's size per requested id."""
+        return self._sizes[shard_id] * len(local_ids)
 
     def locate(self, shard_id: int, local_id: int) -> str:
         """The file's path."""

@@ -1,0 +1,298 @@
+"""Faults with real processes: killed workers, raising user code, consumers that
+stop early or are interrupted. Nothing may hang, nothing may change the output,
+and nothing may be left behind (worker processes, threads, ``/dev/shm`` segments).
+
+Cleanliness is checked right after each test here (children through
+``/proc``/psutil, threads by name, segments in ``shm.segment_dir()``); the
+conftest checks every module the same way at its end.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+from harness import assert_same, collect
+
+from zephon_torch.ops.base import Operator
+from zephon_torch.pipeline import Pipeline
+from zephon_torch.runners import shm
+from zephon_torch.runners.process import WorkerTraceback
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNERS = ("inline", "threads", "process")
+
+
+class Slow(Operator):
+    """Sleeps a little per micro-batch, so that a run lasts long enough to be hit."""
+
+    name = "slow"
+
+    def __init__(self, seconds: float = 0.01) -> None:
+        self.seconds = seconds
+
+    def process_many(self, elems: list[Any]) -> list[Any]:
+        time.sleep(self.seconds)
+        return list(elems)
+
+
+class PoisonError(Exception):
+    """A user exception type the consumer must see as it is."""
+
+
+def poison(payload: dict[str, Any]) -> dict[str, Any]:
+    if payload["text"].startswith("doc 37 "):
+        raise PoisonError(f"refusing {payload['text'][:6]!r}")
+    return {**payload, "n": len(payload["text"])}
+
+
+def _texts(n: int) -> list[str]:
+    return [f"doc {i} " + "word " * (1 + i % 13) for i in range(n)]
+
+
+def _pipe(n: int = 400, *, slow: float = 0.0) -> Pipeline:
+    pipe = Pipeline.from_items(_texts(n), num_lanes=4, chunk_size=8, seed=5)
+    if slow:
+        pipe = pipe.apply(Slow(slow))
+    return (pipe.map_transform(lambda p: {"ids": np.frombuffer(p["text"].encode(), np.uint8)})
+            .shuffle(16, seed=1).batch(4, drop_last=False))
+
+
+def _children() -> set[int]:
+    return {c.pid for c in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(c.cmdline() or [])}
+
+
+def _our_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("zephon")]
+
+
+def _segments() -> list[str]:
+    return [n for n in os.listdir(shm.segment_dir()) if n.startswith(shm.SEGMENT_PREFIX)]
+
+
+def assert_released(before: set[int], timeout: float = 15.0) -> None:
+    """No new child process, zephon thread or segment is left (after ``timeout`` at most)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        left = (_children() - before, _our_threads(), _segments())
+        if not any(left) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert left == (set(), [], []), f"left behind: children, threads, segments = {left}"
+
+
+@pytest.fixture
+def clean() -> Any:
+    """The children alive before the test; the test ends by asserting it released the rest."""
+    return _children()
+
+
+# ---------------------------------------------------------------- killed workers
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_workers_mid_run_leaves_the_output_identical(clean: set[int]) -> None:
+    pipe = _pipe(600, slow=0.01)
+    want = collect(pipe, runner="inline")
+    it = pipe.iter(runner="process", num_workers=3, microbatch_sizes={"slow": 4})
+    got = []
+    killed = []
+    for k, item in enumerate(it):
+        got.append(item)
+        if k in (5, 25, 60):  # three kills, each while the workers are busy
+            victim = it._pool.worker_pids()[len(killed) % 3]
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
+    it.close()
+    assert_same(want, got, label="after SIGKILLs")
+    assert len(set(killed)) == 3  # three different processes died, and were replaced
+    assert_released(clean)
+
+
+class KillSelf(Operator):
+    """SIGKILLs its own worker whenever a micro-batch holds sample ``marker``."""
+
+    name = "kill_self"
+
+    def __init__(self, marker: int) -> None:
+        self.marker = marker
+
+    def process_many(self, elems: list[Any]) -> list[Any]:
+        if any(e.meta.sample_id[2] == self.marker for e in elems):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return list(elems)
+
+
+@pytest.mark.timeout(120)
+def test_a_micro_batch_that_always_kills_its_worker_is_a_clear_error_not_a_hang(
+        clean: set[int]) -> None:
+    pipe = Pipeline.from_items(_texts(60), num_lanes=2, chunk_size=8).apply(KillSelf(21))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        collect(pipe, runner="process", num_workers=2, microbatch_sizes={"kill_self": 2})
+    message = str(info.value)
+    assert "died while running stage 'kill_self'" in message and "SIGKILL" in message
+    assert time.monotonic() - start < 60
+    assert_released(clean)
+
+
+# ---------------------------------------------------------------- raising user code
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_raising_user_function_reaches_the_consumer_with_its_type_and_traceback(
+        runner: str, clean: set[int]) -> None:
+    pipe = Pipeline.from_items(_texts(80), num_lanes=2, chunk_size=8).map_transform(poison)
+    with pytest.raises(PoisonError, match=r"^refusing 'doc 37'$") as info:
+        collect(pipe, runner=runner, num_workers=2)
+    if runner == "process":
+        cause = info.value.__cause__
+        assert isinstance(cause, WorkerTraceback)
+        text = cause.text
+    else:
+        text = "".join(traceback.format_exception(info.value))
+    assert "in poison" in text and 'raise PoisonError(f"refusing' in text
+    assert_released(clean)
+
+
+# ---------------------------------------------------------------- consumers that stop
+
+
+def _stop(make: Any, how: str) -> None:
+    """Take a few items from ``make()``, then stop the way a training loop might.
+
+    Only this function holds the iterator, so after a ``break`` nothing but
+    garbage collection is left to release it.
+    """
+    it = make()
+    if how == "break":
+        for k, _ in enumerate(it):
+            if k == 3:
+                break
+        del it  # the loop's iterator is unreachable: garbage collection closes it
+    elif how == "close":
+        for _ in range(3):
+            next(it)
+        it.close()
+    elif how == "exception":
+        with pytest.raises(ZeroDivisionError):
+            for k, _ in enumerate(it):
+                if k == 3:
+                    _ = 1 / 0
+    elif how == "keyboard_interrupt":  # raised in the consumer's own code
+        with pytest.raises(KeyboardInterrupt):
+            for k, _ in enumerate(it):
+                if k == 3:
+                    raise KeyboardInterrupt
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["break", "close", "exception", "keyboard_interrupt"])
+@pytest.mark.parametrize("runner", ["threads", "process"])
+def test_a_consumer_that_stops_releases_workers_threads_and_segments(
+        runner: str, how: str, clean: set[int]) -> None:
+    pipe = _pipe(2000, slow=0.002)
+    _stop(lambda: pipe.iter(runner=runner, num_workers=2), how)
+    assert_released(clean)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["break", "close", "exception", "keyboard_interrupt"])
+def test_a_dataloader_consumer_that_stops_releases_the_engine(how: str,
+                                                               clean: set[int]) -> None:
+    pytest.importorskip("torch")
+    from zephon_torch import DataLoader
+
+    loader = DataLoader(_pipe(2000, slow=0.002), num_workers=2, to_training=False)
+    _stop(lambda: iter(loader), how)
+    if how != "close":
+        loader.close()  # what a trainer does when it leaves the loop for good
+    assert_released(clean, timeout=30)
+
+
+_INTERRUPTED = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    from zephon_torch.pipeline import Pipeline
+
+    def slow(payload):
+        time.sleep(0.005)
+        return {"ids": np.frombuffer(payload["text"].encode(), np.uint8)}
+
+    if __name__ == "__main__":
+        pipe = (Pipeline.from_items([f"doc {i} " * 9 for i in range(10**6)], num_lanes=4,
+                                    chunk_size=8)
+                .map_transform(slow).batch(4))
+        if sys.argv[1] == "loader":
+            from zephon_torch import DataLoader
+            source = DataLoader(pipe, num_workers=2, to_training=False)
+        else:
+            source = pipe.iter(runner="process", num_workers=2)
+        for k, _ in enumerate(source):
+            if k == 5:
+                print("running", flush=True)
+""")
+
+
+def _tree(pid: int) -> set[int]:
+    try:
+        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.add(pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("consumer", ["iterator", "loader"])
+def test_ctrl_c_stops_the_whole_process_group_cleanly(tmp_path: Path, consumer: str) -> None:
+    if consumer == "loader":
+        pytest.importorskip("torch")
+    script = tmp_path / "train.py"
+    script.write_text(_INTERRUPTED)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script), consumer], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "running", proc.stderr.read()
+        tree = _tree(proc.pid)
+        assert tree, "expected worker processes"
+        before = set(_segments())
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group gets it
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, err[-2000:]
+    assert "Traceback" in err and err.count("KeyboardInterrupt") == 1, err[-3000:]  # only ours
+    deadline = time.monotonic() + 20
+    while _alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _alive(tree) == set()
+    owners = {f"{shm.SEGMENT_PREFIX}{pid}-" for pid in {proc.pid, *tree}}
+    assert [n for n in _segments() if n.startswith(tuple(owners))] == [], before

@@ -91,6 +91,23 @@ class KillSelf(Operator):
         return list(elems)
 
 
+class KillOnce(Operator):
+    """SIGKILLs its Ray worker while running the micro-batch of ``marker``, once."""
+
+    name = "kill_once"
+
+    def __init__(self, marker: int, flag: str) -> None:
+        self.marker = marker
+        self.flag = flag
+
+    def process_many(self, elems):
+        if any(e.meta.sample_id[2] == self.marker for e in elems):
+            if not os.path.exists(self.flag):
+                Path(self.flag).write_text("killed")
+                os.kill(os.getpid(), signal.SIGKILL)
+        return list(elems)
+
+
 class Slow(Operator):
     """Sleeps a little per micro-batch (so that work piles up)."""
 
@@ -265,8 +282,8 @@ def test_remote_fetch_decode_and_applied_operator_match_inline(
               .decode_text(placement=Remote(num_actors=1))
               .apply(CountSetups(), placement=Remote(num_actors=1, num_cpus=0)))
     reference = collect(local, runner="inline")
-    # Process stages around nothing: fetch's real payloads meet a process-free chain.
-    assert_same(reference, collect(remote, runner="threads", microbatch_sizes=SMALL))
+    sizes = {"fetch": 7, "decode_text": 6, "count_setups": 5}
+    assert_same(reference, collect(remote, runner="threads", microbatch_sizes=sizes))
     assert {r.payload["setups"] for r in reference} == {1}
 
 
@@ -312,21 +329,32 @@ def test_resume_across_placements(ray_session, direction: str, corpus_dir: Path,
 
 
 def test_actor_killed_mid_run_is_restarted_and_output_is_identical(
-        ray_session, corpus_dir: Path, tokenizer: Any) -> None:
-    reference = collect(tokenize_map(jsonl(corpus_dir), tokenizer, "local"), runner="inline")
-    pipe = tokenize_map(jsonl(corpus_dir), tokenizer, Remote(num_actors=1, num_cpus=0.5))
-    it = pipe.iter(runner="inline", microbatch_sizes={"tokenize": 2, "map_transform": 2})
+        ray_session, corpus_dir: Path, tokenizer: Any, tmp_path: Path) -> None:
+    def chain(placement: Any, kill: bool) -> Pipeline:
+        pipe = jsonl(corpus_dir).fetch().decode_text().tokenize(tokenizer, placement=placement)
+        if kill:  # dies inside its 3rd record's micro-batch, which is then retried
+            pipe = pipe.apply(KillOnce(3, str(tmp_path / "flag")), placement=placement)
+        return (pipe.map_transform(with_lengths, placement=placement)
+                .shuffle(12, seed=1).batch(3, drop_last=False))
+
+    reference = collect(chain("local", kill=False), runner="inline")
+    pipe = chain(Remote(num_actors=1, num_cpus=0.5), kill=True)
+    sizes = {"tokenize": 2, "map_transform": 2, "kill_once": 2}
+    it = pipe.iter(runner="inline", microbatch_sizes=sizes)
     try:
         out = [next(it)]
         pool = it._ray_pool
         killed = pool.actor_pids("tokenize") + pool.actor_pids("map_transform")
-        for pid in killed:
+        for pid in killed:  # from outside, between two next() calls
             os.kill(pid, signal.SIGKILL)
+        out.extend(next(it) for _ in range(3))
+        # Both actors came back in new processes (asked while the run is still going).
+        restarted = pool.actor_pids("tokenize") + pool.actor_pids("map_transform")
+        assert len(restarted) == 2 and not set(restarted) & set(killed)
         out.extend(it)
-        # Both actors came back in new processes; every micro-batch was delivered once.
-        assert _wait_until(lambda: not set(pool.actor_pids("tokenize")) & set(killed))
     finally:
         it.close()
+    assert (tmp_path / "flag").exists()  # the in-task death really happened
     assert len(out) > 5
     assert_same(reference, out, label="after killing the actors")
 

@@ -48,8 +48,6 @@ sys.path.insert(0, str(HERE))
 
 from bench_pipeline import ROW, make_corpus, make_tokenizer  # noqa: E402
 
-MB_SIZE = 64
-
 
 def canonical(files: list[Path], tok: Any, placement: Any) -> Any:
     import zephon_torch as zt
@@ -114,7 +112,7 @@ def token_records(files: list[Path], tok: Any, n: int) -> list[dict]:
     return out
 
 
-def overhead(payloads: list[dict], rounds: int) -> dict[str, float]:
+def overhead(payloads: list[dict], rounds: int, size: int) -> dict[str, float]:
     """Round-trip and pipelined cost of one remote micro-batch (identity operator)."""
     import zephon_torch as zt
     from zephon_torch.ops.base import OpContext
@@ -126,7 +124,7 @@ def overhead(payloads: list[dict], rounds: int) -> dict[str, float]:
     it = PipelineIterator(base, runner="inline")
     records = list(it)
     it.close()
-    batches = [records[i:i + MB_SIZE] for i in range(0, len(records) - MB_SIZE + 1, MB_SIZE)]
+    batches = [records[i:i + size] for i in range(0, len(records) - size + 1, size)]
     op = identity_op()
     from zephon_torch.ops.placement import set_placement
 
@@ -146,7 +144,7 @@ def overhead(payloads: list[dict], rounds: int) -> dict[str, float]:
     # Pipelined: the same records through a whole pipeline, remote against inline.
     def timed(placement: Any) -> tuple[float, float, int]:
         pipe = base.apply(identity_op(), placement=placement)
-        it = pipe.iter(runner="inline", microbatch_sizes={"identity": MB_SIZE})
+        it = pipe.iter(runner="inline", microbatch_sizes={"identity": size})
         first = next(it)  # actors up
         del first
         wall, cpu = time.perf_counter(), time.process_time()
@@ -173,13 +171,13 @@ def overhead(payloads: list[dict], rounds: int) -> dict[str, float]:
         "driver_cpu_ms": (statistics.median(remote_c) - statistics.median(local_c)) * ms,
         "microbatches": mbs,
         "bytes_per_mb": sum(p["input_ids"].nbytes + len(p["text"]) for p in payloads)
-        / len(payloads) * MB_SIZE,
-        "tokens_per_mb": sum(len(p["input_ids"]) for p in payloads) / len(payloads) * MB_SIZE,
+        / len(payloads) * size,
+        "tokens_per_mb": sum(len(p["input_ids"]) for p in payloads) / len(payloads) * size,
     }
 
 
-def tokenize_cost(payloads: list[dict], tok: Any, rounds: int) -> float:
-    """Seconds one core spends tokenizing one micro-batch of 64 documents."""
+def tokenize_cost(payloads: list[dict], tok: Any, rounds: int, size: int) -> float:
+    """Seconds one core spends tokenizing one micro-batch of ``size`` documents."""
     from zephon_torch.ops.tokenize import Tokenize
     from zephon_torch.types import SampleMeta, SampleRecord
 
@@ -188,7 +186,7 @@ def tokenize_cost(payloads: list[dict], tok: Any, rounds: int) -> float:
     recs = [SampleRecord(SampleMeta(sample_id=(0, 0, i), lane_id=0, chunk_id=0),
                          {"text": p["text"]})
             for i, p in enumerate(payloads)]
-    batches = [recs[i:i + MB_SIZE] for i in range(0, len(recs) - MB_SIZE + 1, MB_SIZE)]
+    batches = [recs[i:i + size] for i in range(0, len(recs) - size + 1, size)]
     times = []
     for _ in range(max(1, rounds)):
         t = time.perf_counter()
@@ -204,7 +202,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1,
                         help="CPUs of the local Ray instance, workers and actors")
-    parser.add_argument("--overhead-docs", type=int, default=64 * 40)
+    parser.add_argument("--overhead-docs", type=int, default=64 * 80)
+    parser.add_argument("--overhead-sizes", default="64,512",
+                        help="micro-batch sizes of the overhead measurement")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -221,8 +221,9 @@ def main() -> None:
         import zephon_torch as zt
 
         payloads = token_records(files, tok, args.overhead_docs)
-        cost = overhead(payloads, args.rounds)
-        compute = tokenize_cost(payloads, tok, args.rounds)
+        sizes = [int(x) for x in args.overhead_sizes.split(",")]
+        costs = {size: overhead(payloads, args.rounds, size) for size in sizes}
+        computes = {size: tokenize_cost(payloads, tok, args.rounds, size) for size in sizes}
 
         n = args.cpus
         jobs = {
@@ -245,18 +246,19 @@ def main() -> None:
     if len({t for ts in tokens.values() for t in ts}) != 1:
         raise SystemExit(f"contenders delivered different token counts: {tokens}")
     print(f"remote stages on a local Ray instance ({args.cpus} CPUs), {args.rounds} rounds")
-    print(f"per-micro-batch overhead ({MB_SIZE} tokenized records, "
-          f"{cost['bytes_per_mb'] / 1024:.0f} KiB, identity operator on 1 actor):")
-    print(f"  round trip, one at a time: {cost['trip_ms']:.2f} ms median, "
-          f"{cost['trip_p90_ms']:.2f} ms p90")
-    print(f"  pipelined, remote minus inline: {cost['pipelined_ms']:.2f} ms wall per "
-          f"micro-batch ({cost['microbatches']} micro-batches)")
-    ceiling = 1000 / max(cost["driver_cpu_ms"], 1e-9)
-    print(f"  driver CPU per micro-batch: {cost['driver_cpu_ms']:.2f} ms (one driver feeds at "
-          f"most {ceiling:,.0f} micro-batches/s, {ceiling * cost['tokens_per_mb']:,.0f} "
-          f"tokens/s at {cost['tokens_per_mb']:,.0f} tokens per micro-batch)")
-    print(f"tokenize compute per micro-batch of {MB_SIZE} documents (one core): "
-          f"{compute * 1000:.2f} ms")
+    for size, cost in costs.items():
+        print(f"per-micro-batch overhead ({size} tokenized records, "
+              f"{cost['bytes_per_mb'] / 1024:.0f} KiB, identity operator on 1 actor):")
+        print(f"  round trip, one at a time: {cost['trip_ms']:.2f} ms median, "
+              f"{cost['trip_p90_ms']:.2f} ms p90")
+        print(f"  pipelined, remote minus inline: {cost['pipelined_ms']:.2f} ms wall per "
+              f"micro-batch ({cost['microbatches']} micro-batches)")
+        ceiling = 1000 / max(cost["driver_cpu_ms"], 1e-9)
+        print(f"  driver CPU per micro-batch: {cost['driver_cpu_ms']:.2f} ms (one driver feeds "
+              f"at most {ceiling:,.0f} micro-batches/s, {ceiling * cost['tokens_per_mb']:,.0f} "
+              f"tokens/s at {cost['tokens_per_mb']:,.0f} tokens per micro-batch)")
+        print(f"  tokenize compute per micro-batch of {size} documents (one core): "
+              f"{computes[size] * 1000:.2f} ms")
     def rate(r: dict[str, float]) -> float:
         return r["tokens"] / r["seconds"]
 

@@ -90,6 +90,8 @@ class PipelineIterator:
     Args:
         pipeline: The pipeline.
         runner: ``"inline"``, ``"threads"`` (default) or ``"process"``.
+            Stages placed with ``placement="remote"`` run on Ray actors
+            whatever the runner (``runners/ray.py``).
         num_workers: Workers per pool (default: up to 4, the CPU count).
         deterministic: Release results in sequence order (the default);
             False allows completion order and latency-bound flushes.

@@ -241,11 +241,10 @@ class PipelineIterator:
             # Only batch(drop_last=True) may stall a sentinel: decided from the instance.
             stalls = isinstance(c.op, Batch) and bool(c.op.drop_last)
             if i in self._remote:  # on Ray: real payloads in, real payloads out
-                options = placement_options(c.op)
+                ray_pool: Any = self._ray_pool
                 stages.append(Stage(
-                    i, c.name, c.op, acc, self._ray_pool, local=False,  # type: ignore[arg-type]
-                    stalls=stalls, resolve_input=lazy,
-                    max_in_flight=None if options is None else options.max_in_flight,
+                    i, c.name, c.op, acc, ray_pool, local=False, stalls=stalls,
+                    resolve_input=lazy, max_in_flight=ray_pool.max_in_flight(i),
                 ))
                 lazy = False
                 continue

@@ -544,6 +544,10 @@ class RayPool(Pool):
 
     # ------------------------------------------------------------------ diagnostics
 
+    def max_in_flight(self, stage_index: int) -> int:
+        """How many micro-batches of the stage may be in Ray at once."""
+        return self._core.stages[stage_index].max_in_flight
+
     @property
     def stage_indices(self) -> list[int]:
         """The remote stages' indices."""

@@ -18,7 +18,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "[zephon] installing $TORCH_SPEC and the project (first run only)" >&2
     "$PY" -m pip install --quiet --upgrade pip setuptools wheel
     "$PY" -m pip install --quiet "$TORCH_SPEC"
-    "$PY" -m pip install --quiet -e "$ROOT[dev,parquet,zstd,fsspec]"
+    "$PY" -m pip install --quiet -e "$ROOT[dev,parquet,zstd,fsspec,ray]"
     echo "$WANT" > "$STAMP"
 fi
 cd "$ROOT"

@@ -83,10 +83,16 @@ def test_a_fused_stage_takes_the_largest_override_of_its_parts(tokenizer: Any) -
 
 
 def test_remote_and_local_stages_are_not_fused(tokenizer: Any) -> None:
-    pipe = (zt.Pipeline.from_items(_items(), num_lanes=2, chunk_size=16)
-            .map_transform(_upper).map_transform(_tag, placement="remote").batch(2))
-    names = _stage_names(pipe)
-    assert names[:2] == ["map_transform_1", "map_transform_2"]
+    base = (zt.Pipeline.from_items(_items(), num_lanes=2, chunk_size=16)
+            .map_transform(_upper).map_transform(_tag, placement="remote")
+            .map_transform(_upper, placement="remote"))
+    names = [c.name for c in base.batch(2).compile()]  # the plan alone: no Ray started
+    assert names[:2] == ["map_transform_1", "map_transform_2+map_transform_3"]
+    # remote stages with other resources are not fused either
+    other = base.apply(zt.ops.transform.MapTransform(_tag),
+                       placement=zt.Remote(num_cpus=2)).batch(2)
+    assert [c.name for c in other.compile()][:3] == [
+        "map_transform_1", "map_transform_2+map_transform_3", "map_transform_4"]
 
 
 @pytest.mark.parametrize("runner,workers", [("inline", 1), ("threads", 2), ("process", 2)])

@@ -6,6 +6,7 @@ integration modules that need them, when they are used.
 """
 
 from zephon_torch import _torch_hook, sources
+from zephon_torch.ops.placement import Remote
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.types import (
     ContributorRef,
@@ -19,6 +20,7 @@ __all__ = [
     "ContributorRef",
     "DataLoader",
     "Pipeline",
+    "Remote",
     "SampleBatch",
     "SampleCursor",
     "SampleMeta",

@@ -125,17 +125,19 @@ def _fuse(stages: list[CompiledStage]) -> list[CompiledStage]:
     """Merge runs of consecutive elementwise stages into fused stages.
 
     Stages join a run when both are elementwise, neither runs inline and
-    they share a placement. A fused stage takes the largest micro-batch size
-    overridden for any of its parts (else the largest default of its parts).
+    they share a placement (remote stages: the same ``Remote`` options). A
+    fused stage takes the largest micro-batch size overridden for any of its
+    parts (else the largest default of its parts).
     Fusing changes where micro-batches are cut, which elementwise operators
     do not see, so no output changes (see ``ops/fused.py``).
     """
     from zephon_torch.ops.fused import FusedOperator
+    from zephon_torch.ops.placement import placement_options
 
     def joins(prev: CompiledStage, nxt: CompiledStage) -> bool:
         a, b = prev.op.traits(), nxt.op.traits()
         return (a.elementwise and b.elementwise and not prev.local and not nxt.local
-                and getattr(prev.op, "placement", "local") == getattr(nxt.op, "placement", "local"))
+                and placement_options(prev.op) == placement_options(nxt.op))
 
     runs: list[list[CompiledStage]] = []
     for stage in stages:
@@ -267,26 +269,35 @@ class Pipeline:
 
     # ------------------------------------------------------------------ operators
 
-    def apply(self, op: Operator) -> Pipeline:
-        """Append a user :class:`~zephon_torch.ops.Operator` (stateless ``process_many``)."""
+    def apply(self, op: Operator, *, placement: Any = None) -> Pipeline:
+        """Append a user :class:`~zephon_torch.ops.Operator` (stateless ``process_many``).
+
+        ``placement`` (``"local"``, ``"remote"`` or a ``Remote(...)``) places
+        a copy of ``op``; ``None`` keeps the operator's own (local by default).
+        """
         if not isinstance(op, Operator):
             raise TypeError(
                 f"apply() takes a zephon_torch.ops.Operator, got {type(op).__name__}; wrap a "
                 "function with map_transform() instead"
             )
+        if placement is not None:
+            from zephon_torch.ops.placement import with_placement
+
+            op = with_placement(op, placement)
         return Pipeline(self._source, (*self._ops, op))
 
-    def fetch(self) -> Pipeline:
+    def fetch(self, *, placement: Any = "local") -> Pipeline:
         """Read the bytes of pointer records (on the workers)."""
         from zephon_torch.ops.io import Fetch
 
-        return self.apply(Fetch())
+        return self.apply(Fetch(placement=placement))
 
-    def decode_text(self, field: str = "text", *, on_error: str = "raise") -> Pipeline:
+    def decode_text(self, field: str = "text", *, on_error: str = "raise",
+                    placement: Any = "local") -> Pipeline:
         """Turn raw bytes into dict payloads (JSON rows, or ``{field: text}``)."""
         from zephon_torch.ops.io import DecodeText
 
-        return self.apply(DecodeText(field=field, on_error=on_error))
+        return self.apply(DecodeText(field=field, on_error=on_error, placement=placement))
 
     def tokenize(self, tokenizer: Any, **kwargs: Any) -> Pipeline:
         """Token ids as an int32 array in ``out_field`` (see ``ops/tokenize.py``)."""
@@ -301,7 +312,7 @@ class Pipeline:
         return self.apply(TokenizeChat(tokenizer, **kwargs))
 
     def map_transform(self, fn: Callable[[Any], Any], *, drop_none: bool = True,
-                      placement: str = "local") -> Pipeline:
+                      placement: Any = "local") -> Pipeline:
         """``fn(payload) -> payload``; ``None`` drops the sample (a tombstone)."""
         from zephon_torch.ops.transform import MapTransform
 

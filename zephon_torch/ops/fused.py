@@ -48,8 +48,10 @@ class FusedOperator(Operator):
         self.parts = list(parts)
         self.ops = [op for _, op in self.parts]
         self.default_microbatch_size = max(op.default_microbatch_size for op in self.ops)
-        #: Where the stage runs (``"local"`` or ``"remote"``): the parts agree.
+        #: Where the stage runs (``"local"`` or ``"remote"``, with the same
+        #: ``Remote`` options): the parts agree.
         self.placement = getattr(self.ops[0], "placement", "local")
+        self.remote_options = getattr(self.ops[0], "remote_options", None)
 
     def setup(self, ctx: OpContext) -> None:
         """Set up every part, each under its own stage name."""

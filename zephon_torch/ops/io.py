@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
+from zephon_torch.ops.placement import set_placement
 from zephon_torch.sources.base import Dataset, is_pointer
 from zephon_torch.types import SampleRecord
 
@@ -75,12 +76,19 @@ class Fetch(Operator):
 
     Records that are not pointers (already fetched, inline items, stream
     records, tombstones) pass through unchanged.
+
+    Args:
+        placement: ``"local"``, ``"remote"`` or a ``Remote(...)``: where
+            ``process_many`` runs (``docs/remote-stages.md``). A remote fetch
+            reads the files from the Ray workers, which must see the same
+            paths (a shared file system or an fsspec URL).
     """
 
     name: ClassVar[str] = "fetch"
     default_microbatch_size: ClassVar[int] = 64
 
-    def __init__(self) -> None:
+    def __init__(self, *, placement: Any = "local") -> None:
+        set_placement(self, placement)
         self._datasets: dict[int, Dataset] | None = None
 
     def setup(self, ctx: OpContext) -> None:
@@ -185,6 +193,8 @@ class DecodeText(Operator):
         on_error: ``"skip"`` turns bad samples into ``"decode_error"``
             tombstones whatever the dataset says; ``"raise"`` (the default)
             defers to the dataset's ``on_error``.
+        placement: ``"local"``, ``"remote"`` or a ``Remote(...)`` (see
+            :class:`Fetch`).
 
     Raises:
         ValueError: ``field`` is not a non-empty string or ``on_error`` is not
@@ -194,13 +204,15 @@ class DecodeText(Operator):
     name: ClassVar[str] = "decode_text"
     default_microbatch_size: ClassVar[int] = 128
 
-    def __init__(self, field: str = "text", on_error: OnError = "raise") -> None:
+    def __init__(self, field: str = "text", on_error: OnError = "raise", *,
+                 placement: Any = "local") -> None:
         if not isinstance(field, str) or not field:
             raise ValueError(f"decode_text: field must be a non-empty string such as 'text', "
                              f"got {field!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"decode_text: on_error must be 'raise' or 'skip', "
                              f"got {on_error!r}")
+        set_placement(self, placement)
         self.field = field
         self.on_error: OnError = on_error
         self._datasets: dict[int, Dataset] | None = None

@@ -49,6 +49,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
+from zephon_torch.ops.placement import set_placement
 from zephon_torch.ops.transform import _check_record, callable_config
 from zephon_torch.types import SampleRecord
 
@@ -244,6 +245,9 @@ class Tokenize(_TokenizerOperator):
         on_error: A payload without a string ``field``: ``"raise"`` a
             ``ValueError``, or ``"skip"`` it as a tombstone with reason
             ``"tokenize_error"``.
+        placement: ``"local"``, ``"remote"`` or a ``Remote(...)``: where
+            ``process_many`` runs (``docs/remote-stages.md``); not part of
+            :meth:`config`.
 
     Raises:
         ValueError: An unknown mode, a missing special token, or a
@@ -258,9 +262,10 @@ class Tokenize(_TokenizerOperator):
     def __init__(self, tokenizer: Any, *, field: str = "text", out_field: str = "input_ids",
                  special_tokens: str = "bos_eos", bos_token_id: int | None = None,
                  eos_token_id: int | None = None, max_length: int | None = None,
-                 on_error: str = "raise") -> None:
+                 on_error: str = "raise", placement: Any = "local") -> None:
         _check_field_name("field", field)
         _check_field_name("out_field", out_field)
+        set_placement(self, placement)
         self._init_tokenizer(tokenizer, special_tokens=special_tokens,
                              bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                              on_error=on_error)
@@ -378,6 +383,7 @@ class TokenizeChat(_TokenizerOperator):
             repair: a cut turn simply loses its end).
         on_error: Malformed messages: ``"raise"`` a ``ValueError`` or
             ``"skip"`` (tombstone with reason ``"tokenize_chat_error"``).
+        placement: As for :class:`Tokenize`.
 
     Raises:
         ValueError: A bad template, mode, role list, ``max_length``, or a
@@ -393,10 +399,11 @@ class TokenizeChat(_TokenizerOperator):
                  loss_on_last_turn_only: bool = False, roles: Sequence[str] = CHAT_ROLES,
                  special_tokens: str = "bos_eos", bos_token_id: int | None = None,
                  eos_token_id: int | None = None, max_length: int | None = None,
-                 on_error: str = "raise") -> None:
+                 on_error: str = "raise", placement: Any = "local") -> None:
         for name, value in (("field", field), ("out_field", out_field),
                             ("mask_field", mask_field)):
             _check_field_name(name, value)
+        set_placement(self, placement)
         if out_field == mask_field:
             raise ValueError(f"out_field and mask_field must differ, both are {out_field!r}")
         template = DEFAULT_CHAT_TEMPLATE if chat_template is None else chat_template

@@ -49,12 +49,10 @@ from types import CodeType
 from typing import Any
 
 from zephon_torch.ops.base import Element, Operator, OpTraits, tombstone
+from zephon_torch.ops.placement import PLACEMENTS, set_placement
 from zephon_torch.types import SampleRecord
 
 __all__ = ["PLACEMENTS", "Filter", "MapTransform", "callable_config"]
-
-#: Where a ``map_transform`` stage runs: in the pipeline's runner, or on Ray.
-PLACEMENTS: tuple[str, ...] = ("local", "remote")
 
 # Values whose repr is the same in every process (no memory addresses, no
 # hash-seed dependent ordering), so they may enter a fingerprint.
@@ -163,29 +161,26 @@ class MapTransform(Operator):
             the input record as is; returning ``None`` drops the sample.
         drop_none: ``True``: a ``None`` result becomes a tombstone with reason
             ``"map_none"``. ``False``: ``None`` is kept as the payload.
-        placement: ``"local"`` (run by the pipeline's runner) or ``"remote"``
-            (run on Ray by the remote runner). Where the work runs does not
-            change the output, so it is not part of :meth:`config`.
+        placement: ``"local"`` (run by the pipeline's runner), ``"remote"``
+            or a :class:`~zephon_torch.ops.placement.Remote` (run on Ray, see
+            ``docs/remote-stages.md``). Where the work runs does not change
+            the output, so it is not part of :meth:`config`.
 
     Raises:
         TypeError: ``fn`` is not callable.
-        ValueError: ``placement`` is not ``"local"`` or ``"remote"``.
+        ValueError: ``placement`` is not ``"local"``, ``"remote"`` or a ``Remote``.
     """
 
     name = "map_transform"
     default_microbatch_size = 64
 
     def __init__(self, fn: Callable[[Any], Any], *, drop_none: bool = True,
-                 placement: str = "local") -> None:
+                 placement: Any = "local") -> None:
         if not callable(fn):
             raise TypeError(f"map_transform needs a callable fn(payload) -> payload, got {fn!r}")
-        if placement not in PLACEMENTS:
-            raise ValueError(
-                f"placement must be one of {PLACEMENTS}, got {placement!r}"
-            )
+        set_placement(self, placement)
         self.fn = fn
         self.drop_none = bool(drop_none)
-        self.placement = placement
 
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
         """Apply ``fn`` to each live record; sentinels and tombstones pass through."""

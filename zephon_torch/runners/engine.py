@@ -78,12 +78,16 @@ class Stage:
             or the inline runner).
         stalls: This stage may stall flush sentinels (``batch(drop_last=True)``).
         resolve_input: Payloads arriving here may be lazy handles that must be
-            resolved first (a local or payload-reading stage after a
+            resolved first (a local, remote or payload-reading stage after a
             process stage).
+        max_in_flight: This stage's own bound on micro-batches out at once
+            (a remote stage's ``Remote.max_in_flight``); ``None``: the
+            engine's.
     """
 
     def __init__(self, index: int, name: str, op: Operator, accumulator: Accumulator,
-                 pool: Pool, *, local: bool, stalls: bool, resolve_input: bool) -> None:
+                 pool: Pool, *, local: bool, stalls: bool, resolve_input: bool,
+                 max_in_flight: int | None = None) -> None:
         self.index = index
         self.name = name
         self.op = op
@@ -92,6 +96,7 @@ class Stage:
         self.local = local
         self.stalls = stalls
         self.resolve_input = resolve_input
+        self.max_in_flight = max_in_flight
         self.inbox: deque[list[Any]] = deque()
         self.slots: deque[_Slot] = deque()
         self.in_flight = 0
@@ -156,8 +161,11 @@ class Engine:
                 self._wait()
         return True
 
+    def _limit(self, stage: Stage) -> int:
+        return stage.max_in_flight or self.max_in_flight
+
     def _has_capacity(self) -> bool:
-        return all(stage.in_flight < self.max_in_flight for stage in self.stages)
+        return all(stage.in_flight < self._limit(stage) for stage in self.stages)
 
     def _wait(self) -> None:
         futures = [slot.future for stage in self.stages for slot in stage.slots
@@ -176,7 +184,8 @@ class Engine:
 
     def _advance(self, stage: Stage) -> bool:
         moved = False
-        while stage.inbox and stage.in_flight < self.max_in_flight:
+        limit = self._limit(stage)
+        while stage.inbox and stage.in_flight < limit:
             elems = stage.inbox.popleft()
             if stage.resolve_input:
                 elems = stage.pool.resolve(elems)

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon_torch.ops.base import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG, OpContext
+from zephon_torch.ops.base import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG, OpContext, Operator
 from zephon_torch.ops.fused import parts_of
+from zephon_torch.ops.placement import placement_options
 from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
 from zephon_torch.runners.engine import Engine, Stage
 from zephon_torch.sources.emitter import SourceEmitter
@@ -100,6 +101,8 @@ class PipelineIterator:
     Args:
         pipeline: The pipeline.
         runner: ``"inline"``, ``"threads"`` (default) or ``"process"``.
+            Stages placed with ``placement="remote"`` run on Ray actors
+            whatever the runner (``runners/ray.py``).
         num_workers: Workers per pool (default: up to 4, the CPU count).
         deterministic: Release results in sequence order (the default);
             False allows completion order and latency-bound flushes.
@@ -150,6 +153,7 @@ class PipelineIterator:
         self.lanes = owned_lanes(src.num_lanes, self.rank, self.world_size, lanes)
         self._closed = False
         self._pool: Pool | None = None
+        self._ray_pool = None
 
         self.schedule = WorkSchedule(
             src.datasets, chunk_size=src.chunk_size, num_lanes=src.num_lanes, seed=src.seed,
@@ -159,7 +163,22 @@ class PipelineIterator:
         self._compiled = pipeline.compile(microbatch_sizes)
         self.stage_names = [c.name for c in self._compiled]
         self._ctxs = self._contexts(self._compiled)
-        self._pool = self._make_pool([c.op for c in self._compiled], self._ctxs)
+        # Stages placed on Ray: their own pool; the local pool gets a stand-in for each.
+        self._remote = [i for i, c in enumerate(self._compiled)
+                        if placement_options(c.op) is not None]
+        self._ray_pool: Pool | None = None
+        ops = [c.op for c in self._compiled]
+        self._pool = self._make_pool(
+            [_RemoteStandIn() if i in self._remote else op for i, op in enumerate(ops)],
+            self._ctxs)
+        if self._remote:
+            from zephon_torch.runners.ray import RayPool
+
+            try:
+                self._ray_pool = RayPool(ops, self._ctxs, self._remote, upstream=self._pool)
+            except BaseException:
+                self._pool.close()
+                raise
         self.flush_every = pipeline.flush_every()
         self._fingerprint = pipeline.fingerprint()
         self._datasets = list(src.datasets)
@@ -242,9 +261,17 @@ class PipelineIterator:
         lazy = False  # whether payloads arriving at the next stage may be lazy handles
         for i, (c, ctx) in enumerate(zip(compiled, ctxs)):
             acc = c.op.accumulator(deterministic=self.deterministic, ctx=ctx)
-            local = c.local or self.runner == "inline"
             # Only batch(drop_last=True) may stall a sentinel: decided from the instance.
             stalls = isinstance(c.op, Batch) and bool(c.op.drop_last)
+            if i in self._remote:  # on Ray: real payloads in, real payloads out
+                ray_pool: Any = self._ray_pool
+                stages.append(Stage(
+                    i, c.name, c.op, acc, ray_pool, local=False, stalls=stalls,
+                    resolve_input=lazy, max_in_flight=ray_pool.max_in_flight(i),
+                ))
+                lazy = False
+                continue
+            local = c.local or self.runner == "inline"
             stages.append(Stage(
                 i, c.name, c.op, acc, self._pool, local=local, stalls=stalls,
                 resolve_input=lazy and (local or acc.reads_payload),
@@ -586,8 +613,12 @@ class PipelineIterator:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
-        if self._pool is not None:
-            self._pool.close()
+        try:
+            if self._ray_pool is not None:
+                self._ray_pool.close()
+        finally:
+            if self._pool is not None:
+                self._pool.close()
 
     def __enter__(self) -> PipelineIterator:
         return self
@@ -607,6 +638,15 @@ _KEEP_BAD = 20  # bad samples kept for stats()
 def is_error_reason(reason: str) -> bool:
     """Whether a tombstone reason means a bad sample skipped by ``on_error="skip"``."""
     return reason.endswith("_error")
+
+
+class _RemoteStandIn(Operator):
+    """Takes a remote stage's place in the local pool: nothing to set up, never run."""
+
+    name = "remote_stand_in"
+
+    def process_many(self, elems: Any) -> list[Any]:
+        raise RuntimeError("a remote stage's micro-batch reached the local pool (a zephon bug)")
 
 
 class _Stats:

@@ -150,6 +150,61 @@ def test_a_micro_batch_that_always_kills_its_worker_is_a_clear_error_not_a_hang(
     assert_released(clean)
 
 
+class HangOn(Operator):
+    """Never returns on a micro-batch holding sample ``marker`` (only once, with ``flag``)."""
+
+    name = "hang_on"
+
+    def __init__(self, marker: int, flag: str | None = None) -> None:
+        self.marker = marker
+        self.flag = flag
+
+    def process_many(self, elems: list[Any]) -> list[Any]:
+        if any(e.meta.sample_id[2] == self.marker for e in elems):
+            if self.flag is None or not os.path.exists(self.flag):
+                if self.flag is not None:
+                    Path(self.flag).write_text("hung")
+                time.sleep(3600)  # a deadlock, as far as anyone can tell
+        return list(elems)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_hangs_once_is_killed_after_task_timeout_and_the_output_is_identical(
+        tmp_path: Path, clean: set[int]) -> None:
+    flag = tmp_path / "hung"
+    base = Pipeline.from_items(_texts(60), num_lanes=2, chunk_size=8)
+    want = collect(base, runner="inline")
+    pipe = base.apply(HangOn(21, str(flag)))
+    got = collect(pipe, runner="process", num_workers=2, task_timeout=1.5,
+                  microbatch_sizes={"hang_on": 2})
+    assert flag.exists()  # it did hang
+    assert_same(want, got, label="after a hang")
+    assert_released(clean)
+
+
+@pytest.mark.timeout(120)
+def test_a_micro_batch_that_always_hangs_is_a_clear_error_not_a_hang(clean: set[int]) -> None:
+    pipe = Pipeline.from_items(_texts(60), num_lanes=2, chunk_size=8).apply(HangOn(21))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        collect(pipe, runner="process", num_workers=2, task_timeout=1.0,
+                microbatch_sizes={"hang_on": 2})
+    message = str(info.value)
+    assert "stage 'hang_on'" in message, message
+    assert "ran one micro-batch for more than task_timeout=1 s and was killed" in message
+    assert "dispatched 4 times" in message and "a hang" in message
+    assert time.monotonic() - start < 60
+    assert_released(clean)
+
+
+def test_task_timeout_needs_the_process_runner() -> None:
+    pipe = Pipeline.from_items(_texts(4))
+    with pytest.raises(ValueError, match=r"task_timeout=5 needs runner='process'"):
+        pipe.iter(runner="threads", task_timeout=5)
+    with pytest.raises(ValueError, match=r"task_timeout must be a number of seconds > 0"):
+        pipe.iter(runner="process", task_timeout=0)
+
+
 # ---------------------------------------------------------------- raising user code
 
 

@@ -478,19 +478,22 @@ class Pipeline:
         microbatch_sizes: Mapping[str, int] | None = None,
         lanes: Sequence[int] | None = None,
         verify: bool = False,
+        task_timeout: float | None = None,
     ) -> PipelineIterator:
         """Run the pipeline; see :class:`~zephon_torch.runners.iterator.PipelineIterator`.
 
         ``verify=True`` checks at the end of the pass that every sample read
         was delivered or tombstoned exactly once (see
-        :func:`zephon_torch.checks.assert_conserved`).
+        :func:`zephon_torch.checks.assert_conserved`). ``task_timeout``
+        (seconds, ``runner="process"`` only) kills a worker stuck on one
+        micro-batch and sends the micro-batch again, so a hang ends in an error.
         """
         from zephon_torch.runners.iterator import PipelineIterator
 
         return PipelineIterator(
             self, runner=runner, num_workers=num_workers, deterministic=deterministic,
             rank=rank, world_size=world_size, microbatch_sizes=microbatch_sizes, lanes=lanes,
-            verify=verify,
+            verify=verify, task_timeout=task_timeout,
         )
 
     def to_torch_dataset(self, **iter_kwargs: Any) -> TorchIterableDataset:

@@ -161,10 +161,15 @@ class Fetch(Operator):
             ) from cause
         raws: list[Any] = []
         for local_id in local_ids:
-            try:
-                raws.extend(dataset.read(shard_id, [local_id]))
-            except Exception as one:
-                raws.append(_Unreadable(f"{type(one).__name__}: {one}"))
+            # Two more tries each, so that a passing storage hiccup does not decide
+            # what is skipped (the skip must depend on the data only).
+            for attempt in range(2):
+                try:
+                    raws.extend(dataset.read(shard_id, [local_id]))
+                    break
+                except Exception as one:
+                    if attempt == 1:
+                        raws.append(_Unreadable(f"{type(one).__name__}: {one}"))
         return raws
 
     def _dataset(self, dataset_id: int) -> Dataset:

@@ -115,6 +115,9 @@ class PipelineIterator:
             delivered, exactly once; a
             :class:`~zephon_torch.checks.ConservationError` says otherwise.
             It costs a little Python work per item, so it is off by default.
+        task_timeout: With ``runner="process"``: seconds one micro-batch may
+            run in a worker before the worker is killed and the micro-batch
+            sent again (None: no limit); see ``ProcessPool``.
     """
 
     def __init__(
@@ -129,9 +132,16 @@ class PipelineIterator:
         microbatch_sizes: Mapping[str, int] | None = None,
         lanes: Sequence[int] | None = None,
         verify: bool = False,
+        task_timeout: float | None = None,
     ) -> None:
         if runner not in _RUNNERS:
             raise ValueError(f"unknown runner {runner!r}; use one of {list(_RUNNERS)}")
+        if task_timeout is not None and runner != "process":
+            raise ValueError(
+                f"task_timeout={task_timeout!r} needs runner='process' (only a worker process "
+                f"can be stopped; a thread cannot), got runner={runner!r}"
+            )
+        self.task_timeout = task_timeout
         if num_workers is None:
             num_workers = max(1, min(4, os.cpu_count() or 1))
         if not isinstance(num_workers, int) or num_workers < 1:
@@ -248,7 +258,7 @@ class PipelineIterator:
             return ThreadPool(ops, ctxs, self.num_workers)
         from zephon_torch.runners.process import ProcessPool
 
-        pool = ProcessPool(ops, ctxs, self.num_workers)
+        pool = ProcessPool(ops, ctxs, self.num_workers, task_timeout=self.task_timeout)
         for op, ctx in zip(ops, ctxs):
             if op.traits().inline:  # run on this thread: set up here too
                 op.setup(ctx)

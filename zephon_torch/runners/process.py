@@ -43,8 +43,11 @@ again at most ``max_restarts`` times, and when it kills a worker once more
 its future fails with a ``RuntimeError`` naming the stage, the worker and
 its exit code or signal. Workers that keep
 dying before they are ready (a crash in ``setup``) break the pool with the
-same kind of error. An exception raised by an operator reaches the consumer
-with its own type and message, the worker's traceback attached as
+same kind of error. With ``task_timeout``, a worker stuck on one
+micro-batch for longer is killed and counts as a death the same way, so a
+hang (a deadlock, an endless loop) also ends in a clear error. An
+exception raised by an operator reaches the consumer with its own type and
+message, the worker's traceback attached as
 ``__cause__`` (a :class:`WorkerTraceback`); one that cannot be pickled
 becomes a ``RuntimeError`` carrying the type name, message and traceback.
 
@@ -348,8 +351,8 @@ class _Task:
 class _Worker:
     """A worker process, its pipes, its feeder thread and the tasks sent to it."""
 
-    __slots__ = ("alive", "feeder", "in_flight", "outbox", "process", "ready", "results",
-                 "slot", "tasks")
+    __slots__ = ("alive", "busy_since", "feeder", "in_flight", "outbox", "process", "ready",
+                 "results", "slot", "tasks", "timed_out")
 
     def __init__(self, slot: int, process: Any, tasks: Any, results: Any) -> None:
         self.slot = slot
@@ -360,6 +363,10 @@ class _Worker:
         self.in_flight: dict[int, _Task] = {}  # in sending order = the order it runs them
         self.ready = False
         self.alive = True
+        # When the task it is running (the oldest in flight) started, roughly: when it
+        # was sent to an idle ready worker, or when the previous result came back.
+        self.busy_since: float | None = None
+        self.timed_out = False
         self.feeder = threading.Thread(target=_feed, args=(self.outbox, tasks),
                                        name=f"zephon-feeder-{slot}", daemon=True)
 
@@ -387,10 +394,11 @@ class _Supervisor:
 
     def __init__(self, init: bytes, names: list[str], num_workers: int, *, max_restarts: int,
                  ledger: shm.Ledger, prefix: str, inline_limit: int, shutdown_timeout: float,
-                 start_method: str) -> None:
+                 start_method: str, task_timeout: float | None = None) -> None:
         self.init = init
         self.names = names
         self.max_restarts = max_restarts
+        self.task_timeout = task_timeout
         self.ledger = ledger
         self.directory = ledger.directory
         self.prefix = prefix
@@ -457,6 +465,8 @@ class _Supervisor:
                 worker = self._pick()
                 if worker is not None:
                     worker.in_flight[task.id] = task
+                    if len(worker.in_flight) == 1 and worker.ready:
+                        worker.busy_since = time.monotonic()
                     worker.outbox.put(task.message)
                     return
                 error = RuntimeError("zephon ProcessPool has no live worker")
@@ -485,7 +495,7 @@ class _Supervisor:
                         if worker is not None and worker.alive:
                             owners[worker.results] = worker
                             owners[worker.process.sentinel] = worker
-                for ready in mp_connection.wait([*owners, self._wake_r]):
+                for ready in mp_connection.wait([*owners, self._wake_r], self._watchdog()):
                     if ready == self._wake_r:
                         os.read(self._wake_r, 512)
                         continue
@@ -518,11 +528,14 @@ class _Supervisor:
             worker.ready = True
             with self.lock:
                 self.startup_deaths = 0
+                if worker.in_flight:
+                    worker.busy_since = time.monotonic()
         elif kind == "result":
             _, task_id, shape, packed, ref, empty = message
             metas = _unpack_metas(packed)
             with self.lock:
                 task = worker.in_flight.pop(task_id, None)
+                worker.busy_since = time.monotonic() if worker.in_flight else None
             block_ = None
             if ref is not None:
                 block_ = shm.Block(ref, self.ledger, tag=None if task is None else task.stage)
@@ -538,12 +551,38 @@ class _Supervisor:
             _, task_id, blob, type_name, text_message, text = message
             with self.lock:
                 task = worker.in_flight.pop(task_id, None)
+                worker.busy_since = time.monotonic() if worker.in_flight else None
             if task is not None:
                 _fail(task.future, _remote_error(blob, type_name, text_message, text))
         elif kind == "fatal":
             _, _, blob, type_name, text_message, text = message
             self._break(_remote_error(blob, type_name, text_message, text))
         return True
+
+    def _watchdog(self) -> float | None:
+        """Kill workers stuck on one micro-batch past ``task_timeout``; seconds to the next check.
+
+        A killed worker is then handled like any dead one: its micro-batch is
+        sent again, and after ``max_restarts`` such deaths it fails with an error
+        saying it hung. None (wait without a timeout) when there is no limit.
+        """
+        limit = self.task_timeout
+        if limit is None:
+            return None
+        now = time.monotonic()
+        wait = limit
+        with self.lock:
+            for worker in self.workers:
+                if worker is None or not worker.alive or worker.busy_since is None:
+                    continue
+                left = worker.busy_since + limit - now
+                if left <= 0 and not worker.timed_out:
+                    worker.timed_out = True
+                    with contextlib.suppress(OSError):
+                        worker.process.kill()  # its sentinel wakes the loop: _on_death
+                elif left > 0:
+                    wait = min(wait, left)
+        return max(wait, 0.01)
 
     def _on_death(self, worker: _Worker) -> None:
         process = worker.process
@@ -552,6 +591,9 @@ class _Supervisor:
             process.kill()
             process.join()
         how = describe_exit(process.exitcode)
+        if worker.timed_out:
+            how = (f"ran one micro-batch for more than task_timeout={self.task_timeout:g} s "
+                   "and was killed")
         with self.lock:
             worker.alive = False
             self.workers[worker.slot] = None
@@ -585,8 +627,11 @@ class _Supervisor:
                         f"a zephon worker process died while running stage {name!r}: worker "
                         f"{worker.slot} (pid {process.pid}) {how}. The micro-batch was "
                         f"dispatched {head.deaths} times and its worker died every time, so "
-                        f"the run stops here (a crash in native code, os._exit or the "
-                        f"out-of-memory killer, in the operator of stage {name!r}?)"
+                        f"the run stops here ("
+                        + ("a hang: a deadlock, an endless loop or a call that never returns"
+                           if worker.timed_out else "a crash in native code, os._exit or the "
+                           "out-of-memory killer")
+                        + f", in the operator of stage {name!r}?)"
                     )))
             try:
                 self.workers[worker.slot] = self._start(worker.slot)
@@ -689,6 +734,10 @@ class ProcessPool(Pool):
             message instead of a shared-memory segment.
         shutdown_timeout: Seconds :meth:`close` waits for workers to stop
             before terminating them.
+        task_timeout: Seconds one micro-batch may run in a worker (None: no
+            limit). A worker past it is killed and handled like a dead one
+            (the micro-batch is sent again, at most ``max_restarts`` times),
+            so a hang becomes a clear error instead of a stalled run.
         start_method: ``"spawn"`` (default) or ``"forkserver"``.
 
     Raises:
@@ -700,7 +749,8 @@ class ProcessPool(Pool):
 
     def __init__(self, ops: Sequence[Operator], ctxs: Sequence[OpContext], num_workers: int,
                  *, max_restarts: int = 3, inline_limit: int = 1024,
-                 shutdown_timeout: float = 1.0, start_method: str = "spawn") -> None:
+                 shutdown_timeout: float = 1.0, start_method: str = "spawn",
+                 task_timeout: float | None = None) -> None:
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
         if not isinstance(max_restarts, int) or max_restarts < 0:
@@ -709,6 +759,11 @@ class ProcessPool(Pool):
             raise ValueError(f"inline_limit must be an integer >= 0, got {inline_limit!r}")
         if not shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout!r}")
+        if task_timeout is not None and (isinstance(task_timeout, bool)
+                                         or not isinstance(task_timeout, (int, float))
+                                         or not task_timeout > 0):
+            raise ValueError(f"task_timeout must be a number of seconds > 0 or None (no "
+                             f"limit), got {task_timeout!r}")
         if start_method not in _START_METHODS:
             raise ValueError(
                 f"start_method must be one of {list(_START_METHODS)}, got {start_method!r} "
@@ -738,7 +793,7 @@ class ProcessPool(Pool):
         self._supervisor = _Supervisor(
             init, self._names, num_workers, max_restarts=max_restarts, ledger=self._ledger,
             prefix=prefix, inline_limit=inline_limit, shutdown_timeout=shutdown_timeout,
-            start_method=start_method,
+            start_method=start_method, task_timeout=task_timeout,
         )
         self._finalizer = weakref.finalize(self, self._supervisor.shutdown)
 

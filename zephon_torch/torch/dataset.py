@@ -54,7 +54,7 @@ from zephon_torch.runners.iterator import PipelineIterator, owned_lanes, resolve
 __all__ = ["LiveIterator", "TorchIterableDataset", "merged_state"]
 
 _ITER_KWARGS = frozenset({"runner", "num_workers", "deterministic", "rank", "world_size",
-                          "microbatch_sizes", "lanes", "verify"})
+                          "microbatch_sizes", "lanes", "verify", "task_timeout"})
 _STATE_KEYS = frozenset({"version", "fingerprint", "lanes", "checksum"})
 
 

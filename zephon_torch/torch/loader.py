@@ -102,7 +102,7 @@ from zephon_torch.types import SampleBatch
 __all__ = ["DataLoader"]
 
 _RUNNERS = ("inline", "threads", "process")
-_ITER_KWARGS = ("deterministic", "microbatch_sizes", "lanes", "verify")
+_ITER_KWARGS = ("deterministic", "microbatch_sizes", "lanes", "verify", "task_timeout")
 _UNEVEN = ("stop", "continue")
 # Arguments of torch's DataLoader that have no meaning here, and what to do instead.
 _TORCH_ONLY = {

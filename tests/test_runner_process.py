@@ -6,6 +6,7 @@ interpreter start): pipelines and pools are kept few and small.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -227,6 +228,7 @@ _SHARED: list[ProcessPool] = []  # the module's pool: its workers outlive single
 @pytest.fixture(autouse=True)
 def _no_leaks():
     yield
+    gc.collect()  # blocks caught in reference cycles release their segments at collection
     shared = {pid for p in _SHARED for pid in p.worker_pids()}
     assert [c for c in multiprocessing.active_children() if c.pid not in shared] == []
     assert _ours() == []

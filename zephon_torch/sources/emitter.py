@@ -201,7 +201,8 @@ class SourceEmitter:
         if not self._all_pointers:
             # An empty in-memory or streamed document is closed by a tombstone now.
             empty = [i for i, p in enumerate(payloads)
-                     if type(p) is dict and _blank(p.get("text"))]
+                     if type(p) is dict and type(t := p.get("text")) is str
+                     and (not t or t.isspace())]
             for i in empty:
                 records[i] = tombstone(records[i], "empty")
         return records
@@ -224,10 +225,6 @@ class SourceEmitter:
             for pos, value in zip(positions, values):
                 payloads[pos] = value
         return payloads
-
-
-def _blank(text: Any) -> bool:
-    return type(text) is str and (not text or text.isspace())
 
 
 def _single(values: np.ndarray) -> bool:

@@ -124,3 +124,15 @@ def test_fused_operator_rejects_non_elementwise_parts() -> None:
         FusedOperator([("a", zt.ops.transform.MapTransform(_upper)), ("barrier", Barrier())])
     assert not Barrier().traits().elementwise
     assert OpTraits().elementwise is False
+
+
+def test_process_runner_cuts_bigger_micro_batches_for_elementwise_stages(tokenizer: Any) -> None:
+    pipe = _chain(tokenizer, barriers=False)
+    sizes = {}
+    for runner, overrides in (("process", None), ("process", {"filter": 16}), ("threads", None)):
+        it = pipe.iter(runner=runner, num_workers=1, microbatch_sizes=overrides)
+        try:
+            sizes[runner, bool(overrides)] = it.stages[0].acc.max_batch
+        finally:
+            it.close()
+    assert sizes == {("process", False): 512, ("process", True): 16, ("threads", False): 64}

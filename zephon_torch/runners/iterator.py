@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["PipelineIterator", "resolve_topology"]
 
 _RUNNERS = ("inline", "threads", "process")
+#: Smallest default micro-batch of an elementwise stage under the process runner.
+_PROCESS_MICROBATCH = 512
 #: Records handed over between two settlements of a lane's accounting.
 _SETTLE_EVERY = 256
 _TOKEN_PRODUCERS = frozenset({"tokenize", "tokenize_chat", "pack_flat", "pack_sequences"})
@@ -244,12 +246,26 @@ class PipelineIterator:
             ctxs.append(OpContext(
                 num_lanes=src.num_lanes, lanes=tuple(self.lanes), rank=self.rank,
                 world_size=self.world_size, seed=src.seed, stage_index=i,
-                stage_name=c.name, microbatch_size=c.microbatch_size,
+                stage_name=c.name, microbatch_size=self._microbatch_size(c),
                 component_weights=weights if len(weights) > 1 else None, plan=plan,
             ))
             # Stages after one of these see token arrays (mixtures weigh by tokens).
             has_tokens = has_tokens or any(op.name in _TOKEN_PRODUCERS for op in parts_of(c.op))
         return ctxs
+
+    def _microbatch_size(self, c: Any) -> int | None:
+        """The stage's micro-batch size: the override, else the operator's default.
+
+        Under the process runner an elementwise stage without an override
+        takes at least ``_PROCESS_MICROBATCH`` elements: each micro-batch pays
+        a round trip to a worker, and an elementwise operator's output does
+        not depend on where micro-batches are cut.
+        """
+        if c.microbatch_size is not None or self.runner != "process" or c.local:
+            return c.microbatch_size
+        if not c.op.traits().elementwise or placement_options(c.op) is not None:
+            return None
+        return max(c.op.default_microbatch_size, _PROCESS_MICROBATCH)
 
     def _make_pool(self, ops: list[Any], ctxs: list[OpContext]) -> Pool:
         if self.runner == "inline":

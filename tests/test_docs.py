@@ -31,19 +31,20 @@ _FILE_HEADER = re.compile(r"#\s*([\w./-]+\.py)\s*$")
 _FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
-def _blocks(text: str) -> list[str]:
-    return _FENCE.findall(text)
+def _blocks(text: str) -> list[tuple[int, str]]:
+    """The python blocks of a page, each with the line number of its first line."""
+    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in _FENCE.finditer(text)]
 
 
 def _pages_with_examples() -> list[str]:
     return sorted(p.name for p in DOCS.glob("*.md")
-                  if any(">>>" in b for b in _blocks(p.read_text(encoding="utf-8"))))
+                  if any(">>>" in b for _, b in _blocks(p.read_text(encoding="utf-8"))))
 
 
-def _write_module_files(blocks: list[str], where: Path) -> list[str]:
+def _write_module_files(blocks: list[tuple[int, str]], where: Path) -> list[str]:
     """Write the blocks headed ``# name.py`` under ``where``; return their module names."""
     modules = []
-    for block in blocks:
+    for _, block in blocks:
         first = block.split("\n", 1)[0]
         match = _FILE_HEADER.fullmatch(first)
         if match is None or ">>>" in block:
@@ -79,8 +80,10 @@ def test_doc_examples_run_as_shown(page: str, tmp_path: Path,
     report: list[str] = []
     globs: dict = {"__name__": f"docs.{path.stem}"}
     try:
-        for i, block in enumerate(b for b in blocks if ">>>" in b):
-            test = parser.get_doctest(block, globs, f"{page}[block {i}]", str(path), 0)
+        for i, (first_line, block) in enumerate(x for x in blocks if ">>>" in x[1]):
+            # doctest reports test.lineno + example.lineno + 1: the page's line.
+            test = parser.get_doctest(block, globs, f"{page}[block {i}]", str(path),
+                                      first_line - 1)
             runner.run(test, out=report.append, clear_globs=False)
             globs = test.globs
     finally:

@@ -550,17 +550,23 @@ def grain_contender(job: str, files: list[str], tokenizer: str, workers: int = 0
 
 
 def zephon_pipeline(job: str, files: list[str], tokenizer: str, *, algorithm: str = "first_fit",
-                    shuffle_batch: bool = True) -> Any:
-    """The same job as a zephon_torch pipeline."""
+                    shuffle_batch: bool = True, flush_every: int | None = None) -> Any:
+    """The same job as a zephon_torch pipeline.
+
+    ``flush_every`` is the source's ``flush_every_k_chunks``: ``None`` keeps the
+    default (a flush sentinel every 8 chunks, which closes the open bins so a
+    checkpoint never has to hold them), a large number all but turns it off.
+    """
     import zephon_torch as zt
 
+    source = {"num_lanes": 1, "chunk_size": 512, "shuffle": False,
+              "flush_every_k_chunks": flush_every}
     if job == "text":
         tok, _eos = load_tokenizer(tokenizer)
-        pipe = (zt.Pipeline.from_jsonl(files, num_lanes=1, chunk_size=512, shuffle=False)
+        pipe = (zt.Pipeline.from_jsonl(files, **source)
                 .fetch().decode_text().tokenize(tok, special_tokens="eos"))
     else:
-        pipe = zt.Pipeline.from_parquet(files, columns=["input_ids"], num_lanes=1,
-                                        chunk_size=512, shuffle=False).fetch()
+        pipe = zt.Pipeline.from_parquet(files, columns=["input_ids"], **source).fetch()
     pipe = pipe.pack_flat(ROW, num_bins=BINS, algorithm=algorithm)
     if shuffle_batch:
         pipe = pipe.shuffle(SHUFFLE, seed=0)
@@ -669,12 +675,16 @@ OVERHEAD_CONTENDERS = ("generator", "torchdata.nodes", "grain", "zephon-inline")
 
 
 PADDING_CONTENDERS = ("handwritten-first_fit", "handwritten-best_fit", "grain-first_fit",
-                      "grain-best_fit", "zephon-first_fit", "zephon-best_fit", "zephon-wrap")
+                      "grain-best_fit", "zephon-first_fit", "zephon-best_fit", "zephon-wrap",
+                      "zephon-first_fit-noflush", "zephon-best_fit-noflush")
 
 
 def padding(name: str, files: list[str]) -> Any:
     """Rows and non-pad tokens of one packer over the token stream, in order (no shuffle)."""
     kind, algorithm = name.split("-", 1)
+    flush_every = None
+    if algorithm.endswith("-noflush"):  # a flush sentinel every 10**9 chunks: never, here
+        algorithm, flush_every = algorithm.removesuffix("-noflush"), 10**9
 
     def run() -> dict[str, int]:
         rows = tokens = 0
@@ -692,7 +702,8 @@ def padding(name: str, files: list[str]) -> Any:
                 rows += 1
                 tokens += int(np.count_nonzero(row["input_ids_segment_ids"]))
         else:
-            pipe = zephon_pipeline("token", files, "", algorithm=algorithm, shuffle_batch=False)
+            pipe = zephon_pipeline("token", files, "", algorithm=algorithm, shuffle_batch=False,
+                                   flush_every=flush_every)
             it = pipe.iter(runner="inline")
             try:
                 for batch in it:

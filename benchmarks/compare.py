@@ -105,6 +105,26 @@ class _TreeMemory:
         self.peak = max(self.peak, self._sample())
 
 
+def _import_engine() -> None:
+    """Import the zephon_torch modules a run imports lazily (runners, operators, sources).
+
+    They would otherwise be imported inside the clock, which the other
+    contenders' libraries are not (their set-up imports them before it).
+    """
+    import importlib
+    import pkgutil
+
+    import zephon_torch
+
+    for name in ("_training", "checkpoint"):
+        importlib.import_module(f"zephon_torch.{name}")
+    for package in ("ops", "runners", "sources"):
+        module = importlib.import_module(f"zephon_torch.{package}")
+        for info in pkgutil.iter_modules(module.__path__):
+            importlib.import_module(f"zephon_torch.{package}.{info.name}")
+    del zephon_torch
+
+
 def run_child(spec: dict[str, Any]) -> None:
     """Build one contender, time it, print one JSON line with its result."""
     # Imports are paid before the clock starts.
@@ -118,6 +138,7 @@ def run_child(spec: dict[str, Any]) -> None:
 
     if Path(zephon_torch.__file__).resolve().parent.parent != REPO:
         raise SystemExit(f"imported {zephon_torch.__file__}, not this checkout's zephon_torch")
+    _import_engine()
     job, name = spec["job"], spec["contender"]
     with _TreeMemory() as memory:
         if job == "overhead":
@@ -143,6 +164,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     path = os.pathsep.join(p for p in (str(REPO), str(HERE), os.environ.get("PYTHONPATH"))
                            if p)
     env = {**os.environ, "PYTHONPATH": path}
+    # Bytecode caches as a user has them: without them every child (and every
+    # spawned worker) compiles this checkout's modules from source each time.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                               timeout=CHILD_TIMEOUT_S, cwd=str(HERE))
@@ -204,7 +228,9 @@ def check_counts(job: str, runs: dict[str, list[dict[str, Any]]], unit: str) -> 
 def _fmt_rate(row: dict[str, Any]) -> str:
     if "rate" not in row:
         return "failed"
-    return f"{row['rate'] / 1e6:.2f} M ({row['rate_min'] / 1e6:.2f}-{row['rate_max'] / 1e6:.2f})"
+    scale, unit = (1e6, "M") if row["rate_min"] >= 1e5 else (1e3, "k")
+    return (f"{row['rate'] / scale:.2f} {unit} ({row['rate_min'] / scale:.2f}-"
+            f"{row['rate_max'] / scale:.2f})")
 
 
 def throughput_table(title: str, summary: dict[str, dict], base: str, unit: str = "tokens"
@@ -387,6 +413,14 @@ class Runner:
                      f"{_verdict(pad['zephon-first_fit'], pad['handwritten-first_fit'], False)})"
                      f"; zephon best_fit {pad['zephon-best_fit']:.2f}% (target < first_fit: "
                      f"{_verdict(pad['zephon-best_fit'], pad['zephon-first_fit'] - 1e-9, False)})")
+        if "zephon-first_fit-noflush" in pad:
+            nf, nb = pad["zephon-first_fit-noflush"], pad["zephon-best_fit-noflush"]
+            lines.append(f"- without flush sentinels (flush_every_k_chunks=10**9): zephon "
+                         f"first_fit {nf:.2f}% vs hand-written first_fit "
+                         f"{pad['handwritten-first_fit']:.2f}% ("
+                         f"{_verdict(nf, pad['handwritten-first_fit'], False)}); best_fit "
+                         f"{nb:.2f}% vs hand-written best_fit "
+                         f"{pad['handwritten-best_fit']:.2f}%")
         self.emit(lines)
 
     def lengths_job(self) -> None:

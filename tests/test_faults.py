@@ -304,6 +304,10 @@ _INTERRUPTED = textwrap.dedent("""
 """)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _tree(pid: int) -> set[int]:
     try:
         return {c.pid for c in psutil.Process(pid).children(recursive=True)}
@@ -330,8 +334,11 @@ def test_ctrl_c_stops_the_whole_process_group_cleanly(tmp_path: Path, consumer: 
     script = tmp_path / "train.py"
     script.write_text(_INTERRUPTED)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # A shell starts background jobs with SIGINT ignored, and an ignored signal
+    # is inherited: give the script a terminal's default Ctrl-C handling.
     proc = subprocess.Popen([sys.executable, str(script), consumer], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=_default_sigint)
     try:
         assert proc.stdout.readline().strip() == "running", proc.stderr.read()
         tree = _tree(proc.pid)

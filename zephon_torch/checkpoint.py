@@ -240,16 +240,23 @@ class ProgressTracker:
         records = item.records if isinstance(item, SampleBatch) else (item,)
         if not records:
             return
-        lane = self.lanes[records[0].meta.lane_id]
+        lane_id = records[0].meta.lane_id
+        if all(not record.meta.tags for record in records):  # a batch of plain records
+            self.delivered_plain(lane_id, records, outputs=1)
+            return
+        lane = self.lanes[lane_id]
         for record in records:
             self.close_refs(record)
             lane.delivered(record, count_output=False)
         lane.outputs += 1
 
-    def delivered_plain(self, lane_id: int, items: list[SampleRecord]) -> None:
+    def delivered_plain(self, lane_id: int, items: Sequence[SampleRecord],
+                        outputs: int | None = None) -> None:
         """Plain records (no tags) of one lane the caller received, in order.
 
-        :meth:`delivered` in bulk for the common case: one pass, no call per record.
+        :meth:`delivered` in bulk for the common case: one pass, no call per
+        record. ``outputs`` is the number of items handed over (default: one
+        per record; one for a batch).
         """
         lane = self.lanes[lane_id]
         k = self.flush_every
@@ -272,7 +279,7 @@ class ProgressTracker:
         last = items[-1].meta
         lane.cursor = last.as_cursor_key()
         lane.cursor_epoch = lane.epoch_of(last.chunk_id)
-        lane.outputs += len(items)
+        lane.outputs += len(items) if outputs is None else outputs
 
     def replayed(self, record: SampleRecord) -> None:
         """A replayed record the filter dropped: the caller had received it before."""

@@ -719,6 +719,8 @@ class _Stats:
     def delivered(self, lane: int, item: Any) -> None:
         if type(item) is SampleRecord:
             self._delivered[lane] += 1 if not item.meta.tags else _closes(item)
+        elif all(not r.meta.tags for r in item.records):  # plain records close themselves
+            self._delivered[lane] += len(item.records)
         else:
             self._delivered[lane] += sum(_closes(r) for r in item.records)
 

@@ -744,3 +744,21 @@ def test_plain_engine_is_usable_directly():
     (mb,) = acc.push_many(docs([4]))
     assert mb[0].meta.padding_length is None
     assert mb[0].meta.contributors == (ContributorRef(doc(0, 4).meta.cursor, True),)
+
+
+@settings(max_examples=150, deadline=None)
+@given(streams())
+def test_the_array_fast_path_decides_exactly_as_the_general_path(case):
+    """Documents whose tokens are 1-D integer arrays take the packer's fast path;
+    the same documents with the tokens as Python lists take the general one.
+    Both must give the same rows, metas and accounting."""
+    op, records = case["op"], case["records"]
+    as_lists = [SampleRecord(r.meta, {"input_ids": r.payload["input_ids"].tolist()})
+                for r in records]
+    fast = _drive(op, records, case["flush_at"], case["step"])
+    general = _drive(op, as_lists, case["flush_at"], case["step"])
+    assert [r.meta for r in fast] == [r.meta for r in general]
+    assert [dict(r.meta.tags) for r in fast] == [dict(r.meta.tags) for r in general]
+    assert [(r.meta.component_sample_counts, r.meta.component_token_counts) for r in fast] == [
+        (r.meta.component_sample_counts, r.meta.component_token_counts) for r in general]
+    assert rows(fast) == rows(general)

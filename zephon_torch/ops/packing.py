@@ -73,8 +73,11 @@ from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.types import (
     CONTRIBUTORS_TAG,
+    FLUSH_SENTINEL_TAG,
     PACKING_METADATA_TAG,
+    TOMBSTONE_TAG,
     ContributorRef,
+    SampleCursor,
     SampleMeta,
     SampleRecord,
 )
@@ -210,6 +213,11 @@ class _Piece(NamedTuple):
         return self.stop - self.start
 
 
+# Builds a _Piece from a tuple of its fields without the generated __new__'s
+# argument parsing: pieces are made once per document on the packer's hot path.
+_new_piece = tuple.__new__
+
+
 class _Bin:
     """An open bin: its pieces in placement order and the tokens they hold."""
 
@@ -248,16 +256,6 @@ def _fullest(bins: list[_Bin]) -> int:
     return best
 
 
-def _piece_refs(piece: _Piece) -> tuple[ContributorRef, ...]:
-    if not piece.last:
-        return (ContributorRef(piece.meta.cursor, False),)
-    # A document that already lists contributors (packed upstream) closes what
-    # they close; otherwise its last piece closes the document itself.
-    if piece.doc.contributors:
-        return piece.doc.contributors
-    return (ContributorRef(piece.meta.cursor, True),)
-
-
 def _add_tokens(totals: dict[int, int], counts: Mapping[int, int], size: int) -> None:
     """Attribute ``size`` tokens of a document to its components.
 
@@ -281,16 +279,38 @@ def _add_tokens(totals: dict[int, int], counts: Mapping[int, int], size: int) ->
 
 
 def _packed_meta(pieces: Sequence[_Piece], info: dict[str, int]) -> SampleMeta:
-    """The meta of a packed record: its first piece's meta made a child, plus accounting."""
+    """The meta of a packed record: its first piece's meta made a child, plus accounting.
+
+    A piece that ends a document closes it, unless the document already lists
+    contributors (it was packed upstream): then it closes what they close. An
+    earlier piece of a split document is listed without closing anything. The
+    token split of :func:`_add_tokens` is written out for the common document
+    of one component, since this runs once per piece.
+    """
     refs: list[ContributorRef] = []
     samples: dict[int, int] = {}
     tokens: dict[int, int] = {}
     for piece in pieces:
-        refs.extend(_piece_refs(piece))
+        doc, meta = piece.doc, piece.meta
+        counts = doc.component_sample_counts
+        cursor = SampleCursor(meta.chunk_id, meta.chunk_offset, meta.sample_id, meta.lineage)
         if piece.last:
-            for comp, count in piece.doc.component_sample_counts.items():
+            # A document that already lists contributors (packed upstream)
+            # closes what they close; otherwise its last piece closes itself.
+            upstream = doc.tags.get(CONTRIBUTORS_TAG) if doc.tags else None
+            if upstream:
+                refs.extend(upstream)
+            else:
+                refs.append(ContributorRef(cursor, True))
+            for comp, count in counts.items():
                 samples[comp] = samples.get(comp, 0) + count
-        _add_tokens(tokens, piece.doc.component_sample_counts, piece.size)
+        else:
+            refs.append(ContributorRef(cursor, False))
+        if len(counts) == 1:
+            for comp in counts:
+                tokens[comp] = tokens.get(comp, 0) + piece.stop - piece.start
+        else:
+            _add_tokens(tokens, counts, piece.stop - piece.start)
     first = pieces[0].meta
     # Fresh tags: a row holding many documents should not inherit one document's tags.
     tags = {CONTRIBUTORS_TAG: tuple(refs), PACKING_METADATA_TAG: info}
@@ -345,17 +365,74 @@ class PackingAccumulator(Accumulator):
 
     def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
         ready: list[SampleRecord] = []
+        if self.algorithm == "wrap":
+            for elem in elems:
+                self._push_one(elem, ready)
+            return self._group(ready)
+        # The common document (a dict whose token field is a 1-D integer array
+        # of 1..max_length tokens, no loss mask) is placed here without the
+        # general path's checks and cutting; anything else takes _push_one.
+        # Both make the same decisions.
+        field = AUTO_TOKEN_FIELDS[0] if self.tokens_field == "auto" else self.tokens_field
+        limit, min_room, lanes = self.max_length, self.min_sequence_length, self._lanes
+        best = self.algorithm == "best_fit"
         for elem in elems:
-            if not isinstance(elem, SampleRecord):
-                raise TypeError(
-                    f"packing takes SampleRecord elements, got {type(elem).__name__}; "
-                    "place pack_flat/pack_sequences before batch()"
-                )
-            if elem.meta.is_sentinel:  # tombstones (and stray sentinels) go straight on
-                ready.append(elem)
+            payload = elem.payload if type(elem) is SampleRecord else None
+            if type(payload) is not dict:
+                self._push_one(elem, ready)
+                continue
+            meta = elem.meta
+            tags = meta.tags
+            tokens = payload.get(field)
+            if (type(tokens) is not np.ndarray or tokens.ndim != 1
+                    or tokens.dtype.kind not in "iu" or _MASK_FIELD in payload
+                    or (tags and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_SENTINEL_TAG)))):
+                self._push_one(elem, ready)
+                continue
+            size = tokens.shape[0]
+            if size == 0 or size > limit:
+                self._push_one(elem, ready)
+                continue
+            bins = lanes.get(meta.lane_id)
+            if bins is None:
+                bins = lanes[meta.lane_id] = []
+            piece = _new_piece(_Piece, (payload, 0, size, meta, meta, True, 0))
+            if best:
+                index = _best_fit(bins, size, limit)
             else:
-                self._admit(elem, ready)
+                index = None
+                for position, candidate in enumerate(bins):
+                    if limit - candidate.used >= size:
+                        index = position
+                        break
+            if index is None:
+                if limit - size < min_room:
+                    ready.append(self._close_pieces([piece], size))
+                    continue
+                if len(bins) >= self.num_bins:
+                    ready.append(self._close(bins.pop(_fullest(bins))))
+                target = _Bin()
+                bins.append(target)
+                index = len(bins) - 1
+            else:
+                target = bins[index]
+            target.pieces.append(piece)
+            target.used += size
+            if limit - target.used < min_room:
+                ready.append(self._close(bins.pop(index)))
         return self._group(ready)
+
+    def _push_one(self, elem: Any, ready: list[SampleRecord]) -> None:
+        """The general path for one element: checks, tombstones, cutting, placement."""
+        if not isinstance(elem, SampleRecord):
+            raise TypeError(
+                f"packing takes SampleRecord elements, got {type(elem).__name__}; "
+                "place pack_flat/pack_sequences before batch()"
+            )
+        if elem.meta.is_sentinel:  # tombstones (and stray sentinels) go straight on
+            ready.append(elem)
+        else:
+            self._admit(elem, ready)
 
     def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
         # Emitting a bin removes it, so every flush leaves the flushed lanes
@@ -446,8 +523,12 @@ class PackingAccumulator(Accumulator):
 
     def _close(self, closed: _Bin) -> SampleRecord:
         """Turn a closed bin into its bin plan record."""
-        meta = _packed_meta(closed.pieces, self._row_info(closed.used, closed.pieces))
-        plan = [(p.payload, p.start, p.stop) for p in closed.pieces]
+        return self._close_pieces(closed.pieces, closed.used)
+
+    def _close_pieces(self, pieces: list[_Piece], used: int) -> SampleRecord:
+        """The bin plan record of the pieces of one row, ``used`` tokens in all."""
+        meta = _packed_meta(pieces, self._row_info(used, pieces))
+        plan = [(p.payload, p.start, p.stop) for p in pieces]
         return SampleRecord(meta, {PLAN_KEY: plan, "max_length": self.max_length})
 
     def _group(self, ready: list[SampleRecord]) -> list[list[Any]]:

@@ -66,6 +66,27 @@ class ToArray(Operator):
         return out
 
 
+class ToIds(Operator):
+    """Text to ``{"input_ids": its bytes as int32}``, like a tokenizer; with ``mask``,
+    a third of the documents also get an int32 ``loss_mask`` and a third a float32 one."""
+
+    name = "to_ids"
+
+    def __init__(self, mask: bool = False) -> None:
+        self.mask = mask
+
+    def process_many(self, elems):
+        out = []
+        for elem in elems:
+            ids = np.frombuffer(elem.payload["text"].encode(), dtype=np.uint8).astype(np.int32)
+            payload = {"input_ids": ids}
+            if self.mask and elem.meta.sample_id[2] % 3 < 2:
+                dtype = np.int32 if elem.meta.sample_id[2] % 3 else np.float32
+                payload["loss_mask"] = (ids % 2).astype(dtype)
+            out.append(SampleRecord(elem.meta, payload))
+        return out
+
+
 class MapWith(Operator):
     """Applies ``fn`` (a lambda, given to the constructor) to every payload."""
 
@@ -289,6 +310,49 @@ def test_consecutive_process_stages_pass_handles_without_reading_them():
     assert read_here.get(1, 0) > 0  # map_with's output was resolved for the consumer
     assert seen_segments > 0  # payloads really went through shared memory
     _assert_same(got, _run(pipe, runner="inline", microbatch_sizes=sizes))
+
+
+def _assert_same_rows(got: list[Any], want: list[Any]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a == b  # metas (with their contributors) and payload arrays
+        records = a.records if isinstance(a, SampleBatch) else [a]
+        assert not any(isinstance(r.payload, shm.LazyPayload) for r in records)
+
+
+@pytest.mark.timeout(60)
+def test_a_packer_places_handles_by_their_lengths_without_reading_the_documents():
+    """Tokenized documents reach pack_flat as shared-memory handles; it places them by
+    the lengths their worker recorded, and the bin plans carry the handles on to
+    the workers that assemble the rows: the main process never reads them, not
+    even to split the documents longer than a row."""
+    pipe = _pipeline(80).apply(ToIds()).pack_flat(24, num_bins=3).batch(2)
+    before = shm.decode_counts()
+    got = _run(pipe, runner="process", num_workers=2)
+    after = shm.decode_counts()
+    assert after.get(0, 0) - before.get(0, 0) == 0  # to_ids' blocks: never read here
+    assert after.get(1, 0) - before.get(1, 0) > 0  # the rows are, for the consumer
+    _assert_same_rows(got, _run(pipe, runner="inline"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("algorithm", ["first_fit", "best_fit", "wrap"])
+def test_a_packer_given_handles_decides_as_inline_when_some_must_be_read(algorithm):
+    """Handles of split documents, of loss masks and under wrap placement; those with a
+    float mask (not described as an id array) are read. The output is still the
+    inline runner's."""
+    pipe = (_pipeline(80).apply(ToIds(mask=True))
+            .pack_flat(24, num_bins=2, algorithm=algorithm).batch(3))
+    sizes = {"to_ids": 5}
+    got = _run(pipe, runner="process", num_workers=2, microbatch_sizes=sizes)
+    _assert_same_rows(got, _run(pipe, runner="inline", microbatch_sizes=sizes))
+    seq = _pipeline(40).apply(ToIds(mask=True)).pack_sequences(24, num_bins=2)
+    got = _run(seq, runner="process", num_workers=2)
+    want = _run(seq, runner="inline")
+    assert [r.meta for r in got] == [r.meta for r in want]
+    for a, b in zip(got, want):
+        assert [{k: v.tolist() for k, v in p.items()} for p in a.payload["packed_samples"]] == [
+            {k: v.tolist() for k, v in p.items()} for p in b.payload["packed_samples"]]
 
 
 @pytest.mark.timeout(60)

@@ -50,9 +50,14 @@ class Accumulator:
             only at metadata, so the process runner may leave payloads as
             unresolved shared-memory handles. Set it to True when
             ``push_many`` inspects payloads.
+        takes_handles: With ``reads_payload``, True declares that
+            ``push_many`` copes with those handles itself (it reads what the
+            producing worker recorded about a payload, its ``info``, or
+            loads it), so the runner need not resolve them first.
     """
 
     reads_payload: bool = False
+    takes_handles: bool = False
 
     def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
         """Consume elements in stream order; return the micro-batches now ready."""

@@ -122,6 +122,11 @@ class Operator:
 
     name: ClassVar[str] = "apply"
     default_microbatch_size: ClassVar[int] = 64
+    #: Whether the payloads reaching ``process_many`` may hold shared-memory
+    #: payload handles nested inside them (a packer's bin plans list their
+    #: documents that way); the process runner then forwards those by
+    #: reference, and the worker sees the real payloads in their place.
+    nested_handles: ClassVar[bool] = False
 
     def setup(self, ctx: OpContext) -> None:
         """Run once per process before any data arrives (load models, open files)."""

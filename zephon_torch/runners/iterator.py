@@ -300,7 +300,7 @@ class PipelineIterator:
             local = c.local or self.runner == "inline"
             stages.append(Stage(
                 i, c.name, c.op, acc, self._pool, local=local, stalls=stalls,
-                resolve_input=lazy and (local or acc.reads_payload),
+                resolve_input=lazy and (local or (acc.reads_payload and not acc.takes_handles)),
             ))
             lazy = self._pool.remote_payloads and (not local or (lazy and not acc.reads_payload))
         return stages

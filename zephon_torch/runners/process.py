@@ -287,14 +287,25 @@ def _worker_main(slot: int, tasks: Any, results: Any, directory: str, prefix: st
             return
 
 
+def _nested_lookup(sources: list[list[Any]]) -> Any:
+    """The ``persistent_load`` of a fresh block: a handle nested in a payload, stored
+    as ``(block number, index)``, becomes that payload of the task's source blocks."""
+    def lookup(pid: tuple[int, int]) -> Any:
+        return sources[pid[0]][pid[1]]
+
+    return lookup
+
+
 def _run_task(message: tuple, ops: list[Operator], names: list[str], writer: shm.Writer,
               directory: str, slot: int, pid: int) -> tuple[bytes, shm.BlockRef | None]:
     _, task_id, stage, shape, packed, fresh_ref, lazy_refs, refs = message
     ref = None
     try:
         metas = _unpack_metas(packed)
-        fresh = shm.load(fresh_ref, directory, copy=False) if fresh_ref is not None else None
         sources = [shm.load(r, directory, copy=False) for r in lazy_refs]
+        fresh = (shm.load(fresh_ref, directory, copy=False,
+                          persistent_load=_nested_lookup(sources) if sources else None)
+                 if fresh_ref is not None else None)
         if refs is None:  # payload j is payload j of the only source
             first = fresh if fresh is not None else (sources[0] if sources else [])
             payloads = first[:len(metas)]
@@ -312,9 +323,10 @@ def _run_task(message: tuple, ops: list[Operator], names: list[str], writer: shm
         empty = tuple(i for i, p in enumerate(payloads) if p is None)
         try:
             ref = writer.dump(payloads) if len(empty) < len(payloads) else None
+            infos = [shm.describe(p) for p in payloads]
             reply = pickle.dumps(
                 ("result", task_id, out_shape, _pack_metas([r.meta for r in records]), ref,
-                 empty),
+                 empty, infos if any(i is not None for i in infos) else None),
                 protocol=_PROTOCOL,
             )
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
@@ -531,7 +543,7 @@ class _Supervisor:
                 if worker.in_flight:
                     worker.busy_since = time.monotonic()
         elif kind == "result":
-            _, task_id, shape, packed, ref, empty = message
+            _, task_id, shape, packed, ref, empty, infos = message
             metas = _unpack_metas(packed)
             with self.lock:
                 task = worker.in_flight.pop(task_id, None)
@@ -540,8 +552,12 @@ class _Supervisor:
             if ref is not None:
                 block_ = shm.Block(ref, self.ledger, tag=None if task is None else task.stage)
             if task is not None and not task.future.done():
-                records = [SampleRecord(meta, shm.LazyPayload(block_, i))  # type: ignore[arg-type]
-                           for i, meta in enumerate(metas)]
+                if infos is None:
+                    records = [SampleRecord(meta, shm.LazyPayload(block_, i))  # type: ignore[arg-type]
+                               for i, meta in enumerate(metas)]
+                else:
+                    records = [SampleRecord(meta, shm.LazyPayload(block_, i, info))  # type: ignore[arg-type]
+                               for i, (meta, info) in enumerate(zip(metas, infos))]
                 for i in empty:
                     records[i] = SampleRecord(metas[i], None)
                 with contextlib.suppress(cf.InvalidStateError):
@@ -787,6 +803,7 @@ class ProcessPool(Pool):
         shm.sweep_stale(directory)
         prefix = shm.new_prefix()
         self._names = [ctx.stage_name or f"stage {i}" for i, ctx in enumerate(ctxs)]
+        self._nested = [bool(op.nested_handles) for op in ops]
         self._ledger = shm.Ledger(directory)
         self._writer = shm.Writer(directory, f"{prefix}-{os.getpid()}", inline_limit)
         self._ids = itertools.count()
@@ -853,12 +870,28 @@ class ProcessPool(Pool):
                 payload = payload.load()  # its segment is gone (a closed pool)
             refs.append((-1, len(fresh)))
             fresh.append(payload)
-        inputs = list(blocks)
         fresh_ref = None
         name = self._names[stage]
+
+        def forward(obj: Any) -> tuple[int, int] | None:
+            """A handle nested in a payload travels as (block number, index)."""
+            if type(obj) is not shm.LazyPayload:
+                return None
+            block = obj.block
+            if not block.forwardable:
+                raise RuntimeError(f"stage {name!r}: a nested payload handle refers to "
+                                   f"{block!r}, whose pool was closed")
+            k = where.get(id(block))
+            if k is None:
+                k = where[id(block)] = len(blocks)
+                blocks.append(block)
+            return (k, obj.index)
+
         try:
             if fresh:
-                fresh_ref = self._writer.dump(fresh)
+                fresh_ref = self._writer.dump(fresh, forward if self._nested[stage] else None)
+            inputs = list(blocks)
+            if fresh_ref is not None:
                 inputs.append(shm.Block(fresh_ref, self._ledger))
             first = refs[0][0] if refs else -1
             in_order = all(r == (first, j) for j, r in enumerate(refs))

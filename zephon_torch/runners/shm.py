@@ -59,6 +59,7 @@ delete the parent's segments when it collects them.
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import mmap
 import os
@@ -69,8 +70,11 @@ import uuid
 import warnings
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 __all__ = [
     "SEGMENT_PREFIX",
@@ -80,6 +84,7 @@ __all__ = [
     "Ledger",
     "Writer",
     "decode_counts",
+    "describe",
     "load",
     "new_prefix",
     "segment_dir",
@@ -235,13 +240,30 @@ class Writer:
         self._seq = itertools.count()
         self._warned = False
 
-    def dump(self, payloads: list[Any]) -> BlockRef:
-        """Pickle ``payloads`` in one call and write them out (see the module doc)."""
+    def dump(self, payloads: list[Any],
+             persistent_id: Callable[[Any], Any] | None = None) -> BlockRef:
+        """Pickle ``payloads`` in one call and write them out (see the module doc).
+
+        ``persistent_id``, if given, is the pickler's hook: an object for
+        which it returns something other than None is stored as that
+        reference (the reader's ``persistent_load`` turns it back), which is
+        how handles nested inside a payload travel without their data.
+        """
         views: list[memoryview] = []
+
         # The callback returning None keeps each buffer out of band; numpy only
         # offers contiguous buffers, so raw() gives their bytes without a copy.
-        stream = pickle.dumps(payloads, protocol=5,
-                              buffer_callback=lambda buf: views.append(buf.raw()))
+        def keep(buf: pickle.PickleBuffer) -> None:
+            views.append(buf.raw())
+
+        if persistent_id is None:
+            stream = pickle.dumps(payloads, protocol=5, buffer_callback=keep)
+        else:
+            out = io.BytesIO()
+            pickler = pickle.Pickler(out, protocol=5, buffer_callback=keep)
+            pickler.persistent_id = persistent_id  # type: ignore[method-assign]
+            pickler.dump(payloads)
+            stream = out.getvalue()
         layout = []
         end = len(stream)
         for view in views:
@@ -302,7 +324,8 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def load(ref: BlockRef, directory: str, *, copy: bool) -> list[Any]:
+def load(ref: BlockRef, directory: str, *, copy: bool,
+         persistent_load: Callable[[Any], Any] | None = None) -> list[Any]:
     """The payloads of a block.
 
     Args:
@@ -311,6 +334,8 @@ def load(ref: BlockRef, directory: str, *, copy: bool) -> list[Any]:
         copy: True: every buffer is copied once into memory of its own (the
             main process). False: the segment is mapped copy-on-write and
             arrays are views into it (workers). See the module doc.
+        persistent_load: Turns the references that the writer's
+            ``persistent_id`` stored back into objects.
 
     Raises:
         FileNotFoundError: The segment is gone.
@@ -319,18 +344,41 @@ def load(ref: BlockRef, directory: str, *, copy: bool) -> list[Any]:
         # Inline blocks are small: copying keeps arrays writable, as from a segment.
         data = memoryview(ref.data)
         buffers: list[Any] = [bytearray(data[o:o + n]) for o, n in ref.buffers]
-        return pickle.loads(data[:ref.stream], buffers=buffers)
+        return _unpickle(data[:ref.stream], buffers, persistent_load)
     path = os.path.join(directory, ref.name or "")
     if copy:
         with open(path, "rb", buffering=0) as file:
             stream = _read_at(file, 0, ref.stream)
             buffers = [_read_at(file, o, n) for o, n in ref.buffers]
-        return pickle.loads(stream, buffers=buffers)
+        return _unpickle(stream, buffers, persistent_load)
     with open(path, "rb") as file:
         mapping = mmap.mmap(file.fileno(), ref.size, access=mmap.ACCESS_COPY)
     # The arrays keep views of the mapping; it is unmapped when the last one dies.
     view = memoryview(mapping)
-    return pickle.loads(view[:ref.stream], buffers=[view[o:o + n] for o, n in ref.buffers])
+    return _unpickle(view[:ref.stream], [view[o:o + n] for o, n in ref.buffers],
+                     persistent_load)
+
+
+def _unpickle(stream: Any, buffers: list[Any],
+              persistent_load: Callable[[Any], Any] | None) -> list[Any]:
+    if persistent_load is None:
+        return pickle.loads(stream, buffers=buffers)
+    unpickler = pickle.Unpickler(io.BytesIO(stream), buffers=buffers)
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    return unpickler.load()
+
+
+def describe(payload: Any) -> dict[str, int] | None:
+    """What a consumer may learn of a payload without reading it: for a dict,
+    each field's length if it is a 1-D integer array, else -1; None otherwise.
+
+    Workers compute it for every payload they return, so that the main
+    process can pack documents it never reads (see :class:`LazyPayload`).
+    """
+    if type(payload) is not dict:
+        return None
+    return {key: value.shape[0] if type(value) is np.ndarray and value.ndim == 1
+            and value.dtype.kind in "iu" else -1 for key, value in payload.items()}
 
 
 def _read_at(file: Any, offset: int, size: int) -> bytearray:
@@ -455,14 +503,19 @@ class LazyPayload:
 
     Records leaving a process stage carry these; the pool's ``resolve``
     replaces them with real payloads, and a later process stage receives the
-    ref without the main process reading anything.
+    ref without the main process reading anything, also when the handle is
+    nested inside another payload (a packer's bin plan lists its documents
+    as handles). ``info`` is :func:`describe` of the payload, computed by
+    the worker that made it (None if not known), so that a packer can place
+    a document by its length without reading it.
     """
 
-    __slots__ = ("block", "index")
+    __slots__ = ("block", "index", "info")
 
-    def __init__(self, block: Block, index: int) -> None:
+    def __init__(self, block: Block, index: int, info: dict[str, int] | None = None) -> None:
         self.block = block
         self.index = index
+        self.info = info
 
     def load(self) -> Any:
         """The real payload (reads the whole block once, on first use)."""

@@ -150,6 +150,21 @@ def test_a_training_step_pulling_from_dataloader_iter_resumes_exactly(tmp_path: 
     assert resumed.seen == full.seen[3:]
 
 
+def test_a_state_loaded_by_hand_before_fit_survives_lightnings_iterability_check(
+        tmp_path: Path):
+    first = _loader(in_process=True)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    first.close()
+    loader = _loader(in_process=True)
+    loader.load_state_dict(state)
+    # Lightning calls iter() once to check the loader, then iterates it for real.
+    model = _fit(tmp_path, TinyLM(), loader, max_steps=4)
+    assert model.seen == _reference(_pipe(), 7)[3:]
+
+
 # --------------------------------------------------------------------------- epochs
 
 

@@ -70,10 +70,13 @@ How one iteration is laid out (``in_process=False``, the default)::
 * **Epochs.** Iterating again after the end (or after a ``break``) starts
   the pipeline over from the beginning, unless a state was loaded in
   between. Starting a new iteration ends the previous one.
-* **Lifetime.** The engine process and its pool stop when the iteration
-  ends, when its iterator is closed (``close()``, a ``break`` followed by
-  garbage collection, an exception leaving the ``for`` loop), when the
-  loader is closed (``close()``, ``with``), and at interpreter exit (a
+* **Lifetime.** The engine process and its pool start at the iteration's
+  first ``next()`` (a bare ``iter()``, such as Lightning's check that the
+  loader is iterable, starts nothing and leaves a loaded state in place).
+  They stop when the iteration ends, when its iterator is closed
+  (``close()``, a ``break`` followed by garbage collection, an exception
+  leaving the ``for`` loop), when the loader is closed (``close()``,
+  ``with``), and at interpreter exit (a
   ``multiprocessing`` finalizer that runs before ``multiprocessing`` joins
   its non-daemonic children).
 """
@@ -91,7 +94,7 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -242,6 +245,16 @@ class DataLoader:
 
     def __iter__(self) -> _LoaderIterator:
         self._end_active()
+        # The iteration starts at its first next(): Lightning calls iter() once just to
+        # check that the loader is iterable, which must neither start an engine process
+        # nor use up a loaded state. Until then the position is where it will start.
+        self._position.reset(self._loaded)
+        iterator = _LoaderIterator(self._start, self._position)
+        self._active = weakref.ref(iterator)
+        return iterator
+
+    def _start(self) -> _Run:
+        """Start the producer and prefetch thread of a new iteration (at its first next())."""
         rank, world_size = resolve_topology(self.rank, self.world_size)
         state, self._loaded = self._loaded, None
         self._position.reset(state)
@@ -256,7 +269,7 @@ class DataLoader:
             warnings.warn(
                 "zephon DataLoader inside a daemonic process cannot start its engine process; "
                 "running the pipeline in this process (in_process=True)",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning, stacklevel=3,
             )
             in_process = True
         if in_process:
@@ -268,9 +281,7 @@ class DataLoader:
             producer = EngineProcess(spec, self.prefetch_factor * max(1, self.num_workers))
         vote = StepVote.create(rank, world_size) if self.on_uneven == "stop" else None
         placer = Placer(with_index(self.device), self.pin_memory)
-        iterator = _LoaderIterator(producer, placer, self.prefetch_factor, self._position, vote)
-        self._active = weakref.ref(iterator)
-        return iterator
+        return _Run(producer, placer, self.prefetch_factor, vote)
 
     def _end_active(self) -> None:
         active = self._active() if self._active is not None else None
@@ -589,9 +600,11 @@ class _Run:
     then closes the run.
     """
 
-    def __init__(self, producer: Any, placer: Placer, prefetch_factor: int) -> None:
+    def __init__(self, producer: Any, placer: Placer, prefetch_factor: int,
+                 vote: StepVote | None) -> None:
         self.producer = producer
         self.placer = placer
+        self.vote = vote
         self.queue: queue.Queue[tuple] = queue.Queue(maxsize=prefetch_factor)
         self.stopping = threading.Event()
         self.closed = False
@@ -671,21 +684,22 @@ multiprocessing.util.Finalize(None, _close_live_runs, exitpriority=100)
 
 
 class _LoaderIterator:
-    """The iterator of one pass over a :class:`DataLoader` (see the module doc)."""
+    """The iterator of one pass over a :class:`DataLoader` (see the module doc).
 
-    def __init__(self, producer: Any, placer: Placer, prefetch_factor: int,
-                 position: _Position, vote: StepVote | None) -> None:
+    Its run (producer, prefetch thread) starts at the first ``next()``.
+    """
+
+    def __init__(self, start: Callable[[], _Run], position: _Position) -> None:
+        self._start: Callable[[], _Run] | None = start
         self._position = position
-        self._vote = vote
-        self._placer = placer
-        self._run = _Run(producer, placer, prefetch_factor)
+        self._run: _Run | None = None
         self._done = False
-        self._finalizer = weakref.finalize(self, self._run.close)
+        self._finalizer: weakref.finalize | None = None
 
     @property
     def engine_pid(self) -> int | None:
         """The engine process's pid (None in process, or before it started)."""
-        return getattr(self._run.producer, "pid", None)
+        return getattr(self._run.producer, "pid", None) if self._run is not None else None
 
     def __iter__(self) -> _LoaderIterator:
         return self
@@ -693,9 +707,15 @@ class _LoaderIterator:
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        event = self._run.get()
+        run = self._run
+        if run is None:
+            assert self._start is not None
+            run, self._start = self._start(), None
+            self._run = run
+            self._finalizer = weakref.finalize(self, run.close)
+        event = run.get()
         kind = event[0]
-        vote = self._vote
+        vote = run.vote
         # Every rank votes at every step, errors and ends included, so that no rank
         # is left waiting in a collective for one that has stopped.
         if vote is not None and not vote.agree(kind == "batch") and kind == "batch":
@@ -704,7 +724,7 @@ class _LoaderIterator:
             raise self._finish(event)
         _, payload, state, ready = event
         self._position.hand(state)
-        return self._placer.hand_over(payload, ready)
+        return run.placer.hand_over(payload, ready)
 
     def _finish(self, event: tuple | None) -> BaseException:
         """End the iteration; what to raise after ``event`` (None: the ranks voted to stop)."""
@@ -722,7 +742,9 @@ class _LoaderIterator:
     def close(self) -> None:
         """Stop the engine process and the prefetch thread (the generator-style close)."""
         self._done = True
-        self._finalizer()
+        self._start = None
+        if self._finalizer is not None:
+            self._finalizer()
 
     def __enter__(self) -> _LoaderIterator:
         return self

@@ -231,6 +231,24 @@ def test_iterating_again_starts_a_new_epoch_unless_a_state_was_loaded():
     _assert_same(list(loader), want[4:])
 
 
+def test_iter_alone_starts_nothing_and_keeps_a_loaded_state():
+    want = _reference(_pipe())
+    loader = DataLoader(_pipe())
+    it = iter(loader)
+    next(it)
+    next(it)
+    state = loader.state_dict()
+    loader.close()
+    resumed = DataLoader(_pipe())
+    resumed.load_state_dict(state)
+    probe = iter(resumed)  # what Lightning does to check that a loader is iterable
+    assert probe.engine_pid is None
+    assert resumed.state_dict() == state
+    _assert_same(list(resumed), want[2:])  # a new iteration: the probe never started
+    with pytest.raises(StopIteration):
+        next(probe)
+
+
 def test_a_new_iteration_ends_the_previous_one():
     loader = DataLoader(_pipe(), in_process=True)
     first = iter(loader)

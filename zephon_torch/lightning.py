@@ -45,9 +45,12 @@ the state; the fetcher's iterator is the one that runs.
 
 **Lightning's own stateful-loader checkpoints do not apply.** Lightning saves
 and restores every train loader that has ``state_dict``/``load_state_dict``
-(the fit loop's ``"combined_loader"`` entry) and would save the position of
-the *prefetched* batch, one too far. A stream has neither method, so that
-mechanism sees nothing; the position travels only in the module's state.
+(the fit loop's ``"combined_loader"`` entry); that is how a bare
+``DataLoader`` passed to ``Trainer.fit`` resumes. A stream has neither
+method, so that mechanism sees nothing: the position travels only in the
+module's state, saved once and restored once. (The loader inside a stream
+is not Lightning's train loader, so it does not adjust its own
+``state_dict()`` for Lightning's prefetch either: the stream counts.)
 
 **Epochs.** A Lightning epoch over a stream ends when the pipeline ends
 (``passes`` is finite) or after ``limit_train_batches``. In the first case the

@@ -44,6 +44,13 @@ How one iteration is laid out (``in_process=False``, the default)::
   after it. The loader keeps the state of the last batch *handed to the
   caller*, so :meth:`DataLoader.state_dict` never counts what was only
   prefetched, and loading it into a fresh loader continues exactly.
+* **Under Lightning.** ``Trainer.fit`` fetches one batch ahead of the
+  training step and saves the train loader's ``state_dict()`` in its
+  checkpoints. When that call comes from within Lightning's fit loop, the
+  loader asks the loop's fetcher how many handed batches it still holds
+  and answers with the state from before them (it remembers the states of
+  its last few batches); once Lightning's epoch is over, it answers the
+  start, where the next epoch's iteration begins. See ``_lightning_view``.
 * **Uneven ranks.** Ranks may own different numbers of lanes, and lanes end
   at different times. With ``on_uneven="stop"`` and an initialized
   ``torch.distributed`` group, the main thread takes one vote per step
@@ -63,10 +70,13 @@ How one iteration is laid out (``in_process=False``, the default)::
 * **Epochs.** Iterating again after the end (or after a ``break``) starts
   the pipeline over from the beginning, unless a state was loaded in
   between. Starting a new iteration ends the previous one.
-* **Lifetime.** The engine process and its pool stop when the iteration
-  ends, when its iterator is closed (``close()``, a ``break`` followed by
-  garbage collection, an exception leaving the ``for`` loop), when the
-  loader is closed (``close()``, ``with``), and at interpreter exit (a
+* **Lifetime.** The engine process and its pool start at the iteration's
+  first ``next()`` (a bare ``iter()``, such as Lightning's check that the
+  loader is iterable, starts nothing and leaves a loaded state in place).
+  They stop when the iteration ends, when its iterator is closed
+  (``close()``, a ``break`` followed by garbage collection, an exception
+  leaving the ``for`` loop), when the loader is closed (``close()``,
+  ``with``), and at interpreter exit (a
   ``multiprocessing`` finalizer that runs before ``multiprocessing`` joins
   its non-daemonic children).
 """
@@ -79,10 +89,12 @@ import inspect
 import multiprocessing
 import multiprocessing.util
 import queue
+import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -123,6 +135,10 @@ _TORCH_ONLY = {
     "in_order": "pass deterministic=False for completion order",
 }
 _POLL = 0.1  # seconds between liveness checks while a thread waits on a queue
+# States kept of the last batches handed over, to answer for a consumer that holds some
+# of them unused (Lightning's fetcher holds one).
+_REMEMBERED = 8
+_FIT_LOOP_MODULES = ("lightning.pytorch.loops.fit_loop", "pytorch_lightning.loops.fit_loop")
 
 
 # --------------------------------------------------------------------------- the loader
@@ -229,6 +245,16 @@ class DataLoader:
 
     def __iter__(self) -> _LoaderIterator:
         self._end_active()
+        # The iteration starts at its first next(): Lightning calls iter() once just to
+        # check that the loader is iterable, which must neither start an engine process
+        # nor use up a loaded state. Until then the position is where it will start.
+        self._position.reset(self._loaded)
+        iterator = _LoaderIterator(self._start, self._position)
+        self._active = weakref.ref(iterator)
+        return iterator
+
+    def _start(self) -> _Run:
+        """Start the producer and prefetch thread of a new iteration (at its first next())."""
         rank, world_size = resolve_topology(self.rank, self.world_size)
         state, self._loaded = self._loaded, None
         self._position.reset(state)
@@ -243,7 +269,7 @@ class DataLoader:
             warnings.warn(
                 "zephon DataLoader inside a daemonic process cannot start its engine process; "
                 "running the pipeline in this process (in_process=True)",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning, stacklevel=3,
             )
             in_process = True
         if in_process:
@@ -255,9 +281,7 @@ class DataLoader:
             producer = EngineProcess(spec, self.prefetch_factor * max(1, self.num_workers))
         vote = StepVote.create(rank, world_size) if self.on_uneven == "stop" else None
         placer = Placer(with_index(self.device), self.pin_memory)
-        iterator = _LoaderIterator(producer, placer, self.prefetch_factor, self._position, vote)
-        self._active = weakref.ref(iterator)
-        return iterator
+        return _Run(producer, placer, self.prefetch_factor, vote)
 
     def _end_active(self) -> None:
         active = self._active() if self._active is not None else None
@@ -283,8 +307,18 @@ class DataLoader:
             A JSON-able dict (the pipeline iterator's ``state_dict()``
             format): before any batch, the start of the next iteration (a
             loaded state, or the beginning); after the last, the end.
+
+        Raises:
+            RuntimeError: Under Lightning, its fetcher holds more batches of
+                this loader than the loader remembers the states of.
+
+        While Lightning's ``Trainer.fit`` iterates this loader as its train
+        loader, the caller is the training step rather than Lightning's
+        fetcher: the answer is the position after the last batch the
+        fetcher passed on (the batches it prefetched do not count), or, once
+        Lightning's epoch is over, the start of the next epoch's iteration.
         """
-        local = self._local_state()
+        local = self._local_state(_lightning_view(self))
         if gather and in_group(*resolve_topology(self.rank, self.world_size)):
             import torch.distributed as dist
 
@@ -293,8 +327,16 @@ class DataLoader:
             return merge_states(states)
         return local
 
-    def _local_state(self) -> dict[str, Any]:
-        state = self._loaded if self._loaded is not None else self._position.state
+    def _local_state(self, view: tuple[int, bool] | None = None) -> dict[str, Any]:
+        """This rank's state; ``view``: ``(batches held unused, epoch over)`` under Lightning."""
+        if self._loaded is not None:
+            state: dict[str, Any] | None = self._loaded
+        elif view is None:
+            state = self._position.state
+        else:
+            held, epoch_over = view
+            # Lightning's next epoch calls iter() again, which starts from the beginning.
+            state = None if epoch_over and not held else self._position.before(held)
         if state is not None:
             return self._narrow(copy.deepcopy(state))  # the caller may edit what it gets
         return self._fresh_state()
@@ -364,15 +406,98 @@ class DataLoader:
 
 
 class _Position:
-    """The state after the last batch the caller received (shared with the iterator)."""
+    """The state after the last batch the caller received (shared with the iterator).
 
-    __slots__ = ("state",)
+    It also remembers where the iteration started and the states after its
+    last :data:`_REMEMBERED` batches, so that :meth:`before` can answer for a
+    consumer that holds some batches unused. ``None`` stands for the
+    beginning of the pipeline.
+    """
+
+    __slots__ = ("count", "handed", "start", "state")
 
     def __init__(self) -> None:
         self.state: dict[str, Any] | None = None
+        self.start: dict[str, Any] | None = None
+        self.handed: deque[dict[str, Any]] = deque(maxlen=_REMEMBERED)
+        self.count = 0  # batches handed over in this iteration
 
     def reset(self, state: dict[str, Any] | None) -> None:
+        """A new iteration starts at ``state``."""
+        self.state = self.start = state
+        self.handed.clear()
+        self.count = 0
+
+    def hand(self, state: dict[str, Any]) -> None:
+        """A batch is handed over; ``state`` is the iterator's right after it."""
         self.state = state
+        self.handed.append(state)
+        self.count += 1
+
+    def before(self, held: int) -> dict[str, Any] | None:
+        """The state before the last ``held`` batches handed over (0: the current one).
+
+        Raises:
+            RuntimeError: ``held`` batches go back past this iteration's
+                start, or further than the states remembered.
+        """
+        if held == 0:
+            return self.state
+        if held > self.count:
+            raise RuntimeError(
+                f"Lightning holds {held} batches of this zephon DataLoader, but its current "
+                f"iteration has handed over only {self.count}: the position before them is "
+                "not known (is the loader iterated twice at once, or cycled with others?)"
+            )
+        if held == self.count:
+            return self.start
+        if held >= len(self.handed):
+            raise RuntimeError(
+                f"Lightning holds {held} batches of this zephon DataLoader, more than the "
+                f"{_REMEMBERED - 1} whose positions it remembers: cannot save the position "
+                "of the last batch the training step received"
+            )
+        return self.handed[-1 - held]
+
+
+def _lightning_view(loader: DataLoader) -> tuple[int, bool] | None:
+    """``(batches held unused, epoch over)`` when Lightning's fit loop iterates ``loader``.
+
+    Lightning's ``_FitLoop`` saves its train loaders' ``state_dict()`` in a
+    checkpoint (``on_save_checkpoint``), while its ``_PrefetchDataFetcher``
+    already holds the batch after the one the training step received, in
+    ``fetcher.batches``; a ``training_step(dataloader_iter)`` gets a
+    ``_DataLoaderIterDataFetcher``, which holds none. ``fetcher.done`` says
+    that the step has received the epoch's last batch: Lightning's next epoch
+    starts a new iteration. The loop is found on the call stack, by module
+    and class name, so that this module never imports Lightning, and only
+    when ``loader`` is one of its train loaders itself (not, say, the
+    loader inside a ``ZephonDataModule`` stream, which counts for itself).
+
+    Returns:
+        ``None`` when no fit loop on the stack iterates ``loader``.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") in _FIT_LOOP_MODULES:
+            owner = frame.f_locals.get("self")
+            if owner is not None and _is_fit_loop(owner):
+                combined = getattr(owner, "_combined_loader", None)
+                if not any(dl is loader for dl in getattr(combined, "flattened", ())):
+                    return None
+                fetcher = getattr(owner, "_data_fetcher", None)
+                if fetcher is None:
+                    return 0, False
+                batches = getattr(fetcher, "batches", None)
+                held = len(batches) if isinstance(batches, list) else 0
+                return held, bool(getattr(fetcher, "done", False))
+        frame = frame.f_back
+    return None
+
+
+def _is_fit_loop(obj: object) -> bool:
+    return any(cls.__name__ == "_FitLoop" and cls.__module__ in _FIT_LOOP_MODULES
+               for cls in type(obj).__mro__)
 
 
 # --------------------------------------------------------------------------- validation
@@ -475,9 +600,11 @@ class _Run:
     then closes the run.
     """
 
-    def __init__(self, producer: Any, placer: Placer, prefetch_factor: int) -> None:
+    def __init__(self, producer: Any, placer: Placer, prefetch_factor: int,
+                 vote: StepVote | None) -> None:
         self.producer = producer
         self.placer = placer
+        self.vote = vote
         self.queue: queue.Queue[tuple] = queue.Queue(maxsize=prefetch_factor)
         self.stopping = threading.Event()
         self.closed = False
@@ -557,21 +684,22 @@ multiprocessing.util.Finalize(None, _close_live_runs, exitpriority=100)
 
 
 class _LoaderIterator:
-    """The iterator of one pass over a :class:`DataLoader` (see the module doc)."""
+    """The iterator of one pass over a :class:`DataLoader` (see the module doc).
 
-    def __init__(self, producer: Any, placer: Placer, prefetch_factor: int,
-                 position: _Position, vote: StepVote | None) -> None:
+    Its run (producer, prefetch thread) starts at the first ``next()``.
+    """
+
+    def __init__(self, start: Callable[[], _Run], position: _Position) -> None:
+        self._start: Callable[[], _Run] | None = start
         self._position = position
-        self._vote = vote
-        self._placer = placer
-        self._run = _Run(producer, placer, prefetch_factor)
+        self._run: _Run | None = None
         self._done = False
-        self._finalizer = weakref.finalize(self, self._run.close)
+        self._finalizer: weakref.finalize | None = None
 
     @property
     def engine_pid(self) -> int | None:
         """The engine process's pid (None in process, or before it started)."""
-        return getattr(self._run.producer, "pid", None)
+        return getattr(self._run.producer, "pid", None) if self._run is not None else None
 
     def __iter__(self) -> _LoaderIterator:
         return self
@@ -579,9 +707,15 @@ class _LoaderIterator:
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        event = self._run.get()
+        run = self._run
+        if run is None:
+            assert self._start is not None
+            run, self._start = self._start(), None
+            self._run = run
+            self._finalizer = weakref.finalize(self, run.close)
+        event = run.get()
         kind = event[0]
-        vote = self._vote
+        vote = run.vote
         # Every rank votes at every step, errors and ends included, so that no rank
         # is left waiting in a collective for one that has stopped.
         if vote is not None and not vote.agree(kind == "batch") and kind == "batch":
@@ -589,8 +723,8 @@ class _LoaderIterator:
         if kind != "batch":
             raise self._finish(event)
         _, payload, state, ready = event
-        self._position.state = state
-        return self._placer.hand_over(payload, ready)
+        self._position.hand(state)
+        return run.placer.hand_over(payload, ready)
 
     def _finish(self, event: tuple | None) -> BaseException:
         """End the iteration; what to raise after ``event`` (None: the ranks voted to stop)."""
@@ -608,7 +742,9 @@ class _LoaderIterator:
     def close(self) -> None:
         """Stop the engine process and the prefetch thread (the generator-style close)."""
         self._done = True
-        self._finalizer()
+        self._start = None
+        if self._finalizer is not None:
+            self._finalizer()
 
     def __enter__(self) -> _LoaderIterator:
         return self

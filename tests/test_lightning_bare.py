@@ -1,0 +1,221 @@
+"""A bare ``zephon_torch.DataLoader`` under a real Lightning ``Trainer``: exact resumes.
+
+Lightning saves and restores a train loader that has ``state_dict``/
+``load_state_dict`` itself (the fit loop's ``"combined_loader"`` entry),
+while its fetcher holds one batch ahead of the training step. Each test fits
+once uninterrupted with a real ``ModelCheckpoint``, then fits a new model,
+loader and Trainer from one of its checkpoints (``ckpt_path=``) and compares
+the sample ids each ``training_step`` received: the resumed run must see
+exactly the uninterrupted run's batches from the checkpoint on, neither one
+batch late (the prefetched batch counted) nor restored twice.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from test_lightning import (
+    TO_TRAINING,
+    IteratorLM,
+    TinyLM,
+    ValidatingLM,
+    _every,
+    _ids,
+    _pipe,
+)
+
+import zephon_torch as zt
+from zephon_torch.torch.loader import DataLoader, _Position
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _loader(pipe: zt.Pipeline | None = None, **kwargs: Any) -> DataLoader:
+    return DataLoader(pipe if pipe is not None else _pipe(), to_training=TO_TRAINING, **kwargs)
+
+
+def _fit(root: Path, model: TinyLM, train: DataLoader, *, val: DataLoader | None = None,
+         ckpt_path: Path | None = None, callbacks: list[Callback] | None = None,
+         **trainer_kwargs: Any) -> TinyLM:
+    torch.manual_seed(0)
+    callbacks = list(callbacks or [])
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root, callbacks=callbacks,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        **trainer_kwargs,
+    )
+    with warnings.catch_warnings():
+        # Lightning asks for the checkpoint's callbacks when resuming; the tests leave them
+        # out. It also suggests more workers for a loader it does not know.
+        warnings.filterwarnings("ignore", ".*callbacks used to create the checkpoint.*")
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*dataloader_iter.*")
+        try:
+            trainer.fit(model, train_dataloaders=train, val_dataloaders=val, ckpt_path=ckpt_path)
+        finally:
+            train.close()
+            if val is not None:
+                val.close()
+    return model
+
+
+def _states_after(pipe: zt.Pipeline, counts: list[int]) -> dict[int, dict[str, Any]]:
+    """A loader's ``state_dict()`` after each of ``counts`` batches, iterated by hand."""
+    loader = _loader(pipe, in_process=True)
+    states = {}
+    it = iter(loader)
+    for n in range(max(counts) + 1):
+        if n in counts:
+            states[n] = loader.state_dict()
+        if n < max(counts):
+            next(it)
+    loader.close()
+    return states
+
+
+def _reference(pipe: zt.Pipeline, n: int) -> list[list[tuple[int, ...]]]:
+    return [_ids(b.to_training(**TO_TRAINING)) for b, _ in zip(pipe.iter(runner="inline"),
+                                                                 range(n))]
+
+
+# --------------------------------------------------------------------------- mid-epoch
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "engine"])
+def test_a_bare_loader_resumes_exactly_where_the_checkpointed_step_left_off(
+        tmp_path: Path, in_process: bool):
+    full = _fit(tmp_path, TinyLM(), _loader(in_process=in_process),
+                callbacks=[_every(tmp_path, 4)], max_steps=10)
+    assert full.seen == _reference(_pipe(), 10)  # fit received the stream from its start
+
+    for k in (4, 8):
+        resumed = _fit(tmp_path / f"resume{k}", TinyLM(), _loader(in_process=in_process),
+                       ckpt_path=tmp_path / f"step={k}.ckpt", max_steps=10)
+        # No skip (the batch Lightning had prefetched), no repeat, no double restore.
+        assert resumed.seen == full.seen[k:], k
+
+    # Lightning saved the loader itself, at the position after exactly 4 batches,
+    # although its fetcher had already taken a 5th.
+    saved = torch.load(tmp_path / "step=4.ckpt", weights_only=False)
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == \
+        [_states_after(_pipe(), [4])[4]]
+
+
+def test_state_dict_called_during_fit_is_the_position_after_the_steps_batch(tmp_path: Path):
+    loader = _loader(in_process=True)
+    recorded: list[dict[str, Any]] = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            recorded.append(loader.state_dict())
+
+    _fit(tmp_path, TinyLM(), loader, callbacks=[Record()], max_steps=5)
+    expected = _states_after(_pipe(), [1, 2, 3, 4, 5])
+    assert recorded == [expected[n] for n in (1, 2, 3, 4, 5)]
+    # Outside the fit, the loader answers for the batches it handed over: Lightning's
+    # fetcher had taken a 6th before max_steps stopped it.
+    assert loader.state_dict() == _states_after(_pipe(), [6])[6]
+
+
+def test_validation_between_steps_with_a_bare_val_loader_does_not_move_the_train_position(
+        tmp_path: Path):
+    val = _pipe(passes=1, n=24)
+    kwargs = {"max_steps": 10, "val_check_interval": 3, "check_val_every_n_epoch": None,
+              "limit_val_batches": 2}
+    full = _fit(tmp_path, ValidatingLM(), _loader(in_process=True),
+                val=_loader(val, in_process=True), callbacks=[_every(tmp_path, 5)], **kwargs)
+    # Sanity check (2 batches) + 3 validation runs, each from the start of the val pipeline.
+    assert full.val_seen == _reference(val, 2) * 4
+    saved = torch.load(tmp_path / "step=5.ckpt", weights_only=False)
+    assert len(saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]) == 1  # train only
+    resumed = _fit(tmp_path / "r", ValidatingLM(), _loader(in_process=True),
+                   val=_loader(val, in_process=True), ckpt_path=tmp_path / "step=5.ckpt",
+                   **kwargs)
+    assert resumed.seen == full.seen[5:]
+
+
+def test_a_training_step_pulling_from_dataloader_iter_resumes_exactly(tmp_path: Path):
+    full = _fit(tmp_path, IteratorLM(), _loader(in_process=True),
+                callbacks=[_every(tmp_path, 3)], max_steps=7)
+    assert full.seen == _reference(_pipe(), 7)
+    resumed = _fit(tmp_path / "r", IteratorLM(), _loader(in_process=True),
+                   ckpt_path=tmp_path / "step=3.ckpt", max_steps=7)
+    assert resumed.seen == full.seen[3:]
+
+
+def test_a_state_loaded_by_hand_before_fit_survives_lightnings_iterability_check(
+        tmp_path: Path):
+    first = _loader(in_process=True)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    first.close()
+    loader = _loader(in_process=True)
+    loader.load_state_dict(state)
+    # Lightning calls iter() once to check the loader, then iterates it for real.
+    model = _fit(tmp_path, TinyLM(), loader, max_steps=4)
+    assert model.seen == _reference(_pipe(), 7)[3:]
+
+
+# --------------------------------------------------------------------------- epochs
+
+
+def test_a_checkpoint_at_the_end_of_a_pass_resumes_with_the_next_pass(tmp_path: Path):
+    # 96 items in batches of 2: 48 steps a pass, one pass an epoch.
+    epochs = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{step}", every_n_epochs=1,
+                             save_top_k=-1)
+    full = _fit(tmp_path, TinyLM(), _loader(_pipe(passes=1), in_process=True),
+                callbacks=[epochs, _every(tmp_path / "steps", 48)], max_epochs=2)
+    assert len(full.seen) == 96
+    assert full.seen[48:] == full.seen[:48]  # each epoch is the whole pass, same order
+    fresh = _loader(_pipe(passes=1)).state_dict()
+    for ckpt in (tmp_path / "epoch=0-step=48.ckpt", tmp_path / "steps" / "step=48.ckpt"):
+        saved = torch.load(ckpt, weights_only=False)
+        # Lightning's next epoch iterates the loader again, from the start: so does a resume.
+        assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [fresh]
+        resumed = _fit(tmp_path / "r" / ckpt.stem, TinyLM(),
+                       _loader(_pipe(passes=1), in_process=True), ckpt_path=ckpt,
+                       max_epochs=2)
+        assert resumed.seen == full.seen[48:], ckpt.name
+
+
+def test_epochs_cut_by_limit_train_batches_restart_the_loader_and_resume_exactly(
+        tmp_path: Path):
+    epochs = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{step}", every_n_epochs=1,
+                             save_top_k=-1)
+    kwargs = {"max_epochs": 3, "limit_train_batches": 4}
+    full = _fit(tmp_path, TinyLM(), _loader(in_process=True),
+                callbacks=[epochs, _every(tmp_path / "steps", 3)], **kwargs)
+    # As with torch's DataLoader, every Lightning epoch is a new iteration of the loader.
+    assert full.seen == _reference(_pipe(), 4) * 3
+    for ckpt in (tmp_path / "epoch=0-step=4.ckpt", tmp_path / "steps" / "step=6.ckpt"):
+        resumed = _fit(tmp_path / "r" / ckpt.stem, TinyLM(), _loader(in_process=True),
+                       ckpt_path=ckpt, **kwargs)
+        k = int(ckpt.stem.rsplit("=", 1)[1])
+        assert resumed.seen == full.seen[k:], ckpt.name
+
+
+# --------------------------------------------------------------------------- the positions kept
+
+
+def test_positions_further_back_than_remembered_are_refused_not_guessed():
+    position = _Position()
+    position.reset(None)
+    states = [{"after": n} for n in range(1, 21)]
+    for state in states:
+        position.hand(state)
+    assert position.before(0) == states[-1]
+    assert position.before(3) == states[-4]
+    with pytest.raises(RuntimeError, match="whose positions it remembers"):
+        position.before(12)
+    with pytest.raises(RuntimeError, match="has handed over only 20"):
+        position.before(21)
+    assert position.before(20) is None  # the start of the iteration: the beginning

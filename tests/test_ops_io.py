@@ -13,7 +13,7 @@ import pytest
 
 from zephon_torch.ops import OpContext, Operator, OpTraits
 from zephon_torch.ops.accumulators import CountingAccumulator
-from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, tombstone
+from zephon_torch.ops.base import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG, tombstone
 from zephon_torch.ops.io import DecodeText, Fetch
 from zephon_torch.sources import datasets as zd
 from zephon_torch.sources.base import POINTER
@@ -132,6 +132,46 @@ def test_fetch_pickles_after_setup_and_reads_in_the_copy(corpus):
     op.process_many([pointer(0, 0, 0), pointer(1, 0, 0)])
     clone = pickle.loads(pickle.dumps(op))
     assert clone.process_many([pointer(0, 1, 1)])[0].payload == b'{"text": "b1"}'
+
+
+def test_fetch_one_shard_micro_batch_matches_the_general_path(corpus):
+    op = ready(Fetch(), corpus)
+    one = [pointer(1, 0, 2, offset=0), pointer(1, 0, 0, offset=1), pointer(1, 0, 2, offset=2)]
+    out = op.process_many(one)  # pointers of one shard only
+    assert [r.meta for r in out] == [r.meta for r in one]
+    assert [r.payload["text"] for r in out] == ["p2", "p0", "p2"]
+    assert out[0].payload["ids"] is not out[2].payload["ids"]
+    # A record that is not a pointer in front: every record is looked at one by one.
+    item = SampleRecord(pointer(3, 0, 0).meta, {"text": "x"})
+    mixed = op.process_many([item, *one])
+    assert mixed[0] is item and mixed[1:] == out
+
+
+class _BadSector(zd.JsonlDataset):
+    """A JSON Lines dataset whose line 3 of every file cannot be read."""
+
+    def read(self, shard_id, local_ids):
+        if 2 in list(local_ids):
+            raise OSError("bad sector")
+        return super().read(shard_id, local_ids)
+
+
+@pytest.mark.parametrize("other_shard", [False, True], ids=["one-shard", "two-shards"])
+def test_fetch_read_failures_skip_or_name_the_line(corpus, tmp_path, other_shard):
+    pointers = [pointer(0, 0, i, offset=i) for i in range(4)]
+    if other_shard:
+        pointers.append(pointer(0, 1, 1, offset=4))
+    paths = str(tmp_path / "a*.jsonl")
+    skip = _BadSector(paths, cache_dir=tmp_path / "cache", on_error="skip")
+    out = ready(Fetch(), {0: skip}).process_many(pointers)
+    assert [r.meta.sample_id for r in out] == [p.meta.sample_id for p in pointers]
+    assert [reason(r) for r in out] == [None, None, "read_error", None] + [None] * other_shard
+    assert out[2].meta.tags[TOMBSTONE_DETAIL_TAG] == "OSError: bad sector"
+    assert [r.payload for r in out if not r.meta.tombstone][:3] == [
+        b'{"text": "a0"}', b'{"text": "a1"}', b'{"text": "a3"}']
+    strict = _BadSector(paths, cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"cannot read .*a0\.jsonl line 3 .*OSError: bad sector"):
+        ready(Fetch(), {0: strict}).process_many(pointers)
 
 
 # ---------------------------------------------------------------- decode_text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 import pickle
@@ -404,6 +405,28 @@ def test_parquet_list_columns_with_nulls_and_other_types(tmp_path):
     assert rows[0]["holes"] == [1, None]  # a null inside a number list stays a list
     assert rows[0]["fixed"].dtype == np.float32 and rows[2]["fixed"] is None
     assert rows[2]["words"] == ["b", "c"]
+
+
+@pytest.mark.parametrize("ids", [[4, 5, 6, 7], [7, 4, 6], [1, 6, 9]],
+                         ids=["contiguous", "one-group-unordered", "across-groups"])
+def test_parquet_number_lists_are_private_writable_arrays(tmp_path, ids):
+    write_parquet(tmp_path / "a.parquet", token_table(12), row_group_size=8)
+    ds = zd.parquet(tmp_path / "a.parquet", columns=["ids"])
+    rows = [r["ids"] for r in ds.read(0, ids)]
+    assert [r.tolist() for r in rows] == [list(range(i % 5)) for i in ids]
+    for row in rows:
+        # Writable and backed by memory numpy owns: no view into Arrow's buffers.
+        assert row.flags.writeable and row.flags.c_contiguous
+        owner = row if row.base is None else row.base
+        assert isinstance(owner, np.ndarray) and owner.flags.owndata
+    for a, b in itertools.combinations(rows, 2):
+        assert not np.shares_memory(a, b)
+    for row in rows:
+        row[:] = -1
+    # Neither the other rows of the read nor the cached row group changed.
+    again = [r["ids"].tolist() for r in ds.read(0, ids)]
+    assert again == [list(range(i % 5)) for i in ids]
+    assert all((row == -1).all() for row in rows)
 
 
 def test_parquet_file_that_cannot_be_opened(tmp_path):

@@ -38,16 +38,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from operator import attrgetter, itemgetter
 from typing import Any, ClassVar, Literal
 
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.ops.placement import set_placement
-from zephon_torch.sources.base import Dataset, is_pointer
+from zephon_torch.sources.base import POINTER, Dataset, is_pointer
 from zephon_torch.types import SampleRecord
 
 __all__ = ["DecodeText", "Fetch"]
 
 OnError = Literal["raise", "skip"]
+
+_META = attrgetter("meta")
+_SAMPLE_ID = attrgetter("sample_id")
+_FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
 
 
 def _datasets_of(ctx: OpContext, op: str) -> dict[int, Dataset]:
@@ -111,27 +116,50 @@ class Fetch(Operator):
                 :meth:`setup` was not called.
         """
         out = list(elems)
+        if out and all(type(e) is SampleRecord and e.payload is POINTER for e in out):
+            # The common case, with no per-record Python loop: pointers of one shard.
+            metas = list(map(_META, out))
+            sample_ids = list(map(_SAMPLE_ID, metas))
+            dataset_ids = list(map(_FIRST, sample_ids))
+            shard_ids = list(map(_SECOND, sample_ids))
+            dataset_id, shard_id = dataset_ids[0], shard_ids[0]
+            n = len(out)
+            if dataset_ids.count(dataset_id) == n and shard_ids.count(shard_id) == n:
+                raws, failed = self._read(dataset_id, shard_id, list(map(_THIRD, sample_ids)))
+                if not failed:
+                    return list(map(SampleRecord, metas, raws))
+                return [tombstone(elem, "read_error", raw.detail)
+                        if isinstance(raw, _Unreadable) else SampleRecord(elem.meta, raw)
+                        for elem, raw in zip(out, raws)]
         groups: dict[tuple[int, int], list[int]] = {}
         for position, elem in enumerate(out):
             if type(elem) is SampleRecord and is_pointer(elem.payload):
                 dataset_id, shard_id, _ = elem.meta.sample_id
                 groups.setdefault((dataset_id, shard_id), []).append(position)
         for (dataset_id, shard_id), positions in groups.items():
-            dataset = self._dataset(dataset_id)
             local_ids = [out[p].meta.sample_id[2] for p in positions]
-            try:
-                raws = dataset.read(shard_id, local_ids)
-            except Exception as exc:  # a damaged file: name it, or skip what cannot be read
-                raws = self._read_failed(dataset, shard_id, local_ids, exc)
-            if len(raws) != len(positions):
-                raise RuntimeError(f"fetch: dataset {dataset.name!r} returned {len(raws)} "
-                                   f"payloads for {len(positions)} ids of shard {shard_id}")
+            raws, failed = self._read(dataset_id, shard_id, local_ids)
             for position, raw in zip(positions, raws):
-                if isinstance(raw, _Unreadable):
+                if failed and isinstance(raw, _Unreadable):
                     out[position] = tombstone(out[position], "read_error", raw.detail)
                 else:
                     out[position] = SampleRecord(out[position].meta, raw)
         return out
+
+    def _read(self, dataset_id: int, shard_id: int,
+              local_ids: list[int]) -> tuple[list[Any], bool]:
+        """The raw payloads of ``local_ids``, and whether the group read failed (then
+        the samples that cannot be read on their own are :class:`_Unreadable`)."""
+        dataset = self._dataset(dataset_id)
+        failed = False
+        try:
+            raws = dataset.read(shard_id, local_ids)
+        except Exception as exc:  # a damaged file: name it, or skip what cannot be read
+            raws, failed = self._read_failed(dataset, shard_id, local_ids, exc), True
+        if len(raws) != len(local_ids):
+            raise RuntimeError(f"fetch: dataset {dataset.name!r} returned {len(raws)} "
+                               f"payloads for {len(local_ids)} ids of shard {shard_id}")
+        return raws, failed
 
     @staticmethod
     def _read_failed(dataset: Dataset, shard_id: int, local_ids: list[int],

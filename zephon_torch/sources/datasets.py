@@ -41,6 +41,7 @@ import posixpath
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -501,19 +502,31 @@ def _is_numeric(arrow_type: Any) -> bool:
 
 
 def _column_values(column: Any) -> list[Any]:
-    """Python values of a column; lists of numbers become numpy arrays of their dtype."""
+    """Python values of a column; lists of numbers become numpy arrays of their dtype.
+
+    The rows of a list-of-numbers column are views of one private copy of
+    the values they cover (one copy per call rather than one per row): each
+    row is writable and owns no Arrow memory, and rows do not overlap, but a
+    row kept alone keeps the values of the other rows read with it alive
+    (one ``read`` call's worth, not the row group).
+    """
     import pyarrow as pa
 
     kind = column.type
     if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _is_numeric(kind.value_type):
         arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-        if arr.values.null_count == 0:  # numpy cannot hold a null inside an int array
-            flat = arr.values.to_numpy(zero_copy_only=False)
+        values = arr.values
+        if values.null_count == 0:  # numpy cannot hold a null inside an int array
             offsets = arr.offsets.to_numpy()
-            valid = arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else None
-            # Copies, so a row neither pins the row group nor is read-only.
-            return [flat[offsets[i]:offsets[i + 1]].copy() if valid is None or valid[i]
-                    else None for i in range(len(arr))]
+            start = int(offsets[0])
+            bounds = (offsets - start).tolist()
+            # One copy of the rows' values, so rows neither pin the row group nor are
+            # read-only; each row is a slice of it.
+            flat = values.to_numpy(zero_copy_only=False)[start:start + bounds[-1]].copy()
+            if not arr.null_count:
+                return [flat[a:b] for a, b in pairwise(bounds)]
+            valid = arr.is_valid().to_numpy(zero_copy_only=False).tolist()
+            return [flat[a:b] if ok else None for a, b, ok in zip(bounds, bounds[1:], valid)]
     if pa.types.is_fixed_size_list(kind) and _is_numeric(kind.value_type):
         dtype = kind.value_type.to_pandas_dtype()
         return [None if v is None or None in v else np.asarray(v, dtype=dtype)
@@ -526,13 +539,16 @@ def _table_rows(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
     import pyarrow as pa
 
     n = rows.size
-    if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool(np.all(np.diff(rows) == 1)):
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows[1:] - rows[:-1] == 1).all()):
         part = table.slice(int(rows[0]), n)  # a contiguous run: no copy
     else:
         part = table.take(pa.array(rows))
     names = part.column_names
     if not names:
         return [{} for _ in range(n)]
+    if len(names) == 1:  # one column (such as ``input_ids``): no zip of columns
+        name = names[0]
+        return [{name: value} for value in _column_values(part.column(0))]
     columns = [_column_values(part.column(i)) for i in range(part.num_columns)]
     return [dict(zip(names, values)) for values in zip(*columns)]
 
@@ -556,7 +572,10 @@ class ParquetDataset(_FileDataset):
     the last decoded row group of each shard is kept (a small per-process
     LRU), so neighbouring ids do not decode it again. A row is a dict; a list
     column of numbers becomes a numpy array of its type (``list<int32>`` ->
-    ``np.int32``), everything else Python values.
+    ``np.int32``), everything else Python values. Those arrays are writable
+    and hold no Arrow memory: the rows of one :meth:`read` are slices of one
+    private copy of that column's values, so a row kept alone keeps the
+    column's values of the rows read with it alive, never the row group.
 
     Args:
         paths: A path, glob, directory or fsspec URL, or a list of them.
@@ -655,6 +674,9 @@ class ParquetDataset(_FileDataset):
             return []
         bounds = self._bounds[shard_id]
         groups = np.searchsorted(bounds, ids, side="right") - 1
+        first = int(groups[0])
+        if first == int(groups[-1]) and bool((groups == first).all()):  # one row group
+            return _table_rows(self._row_group(shard_id, first), ids - bounds[first])
         out: list[Any] = [None] * ids.size
         for group in np.unique(groups).tolist():  # ascending: each group read once
             where = np.flatnonzero(groups == group)

@@ -17,6 +17,12 @@ What it shows:
    module: its batches are exactly the uninterrupted run's batches from the
    checkpoint on, and the loss continues.
 
+With ``--bare-loader`` the same fits get ``zephon_torch.DataLoader`` objects
+(``Trainer.fit(train_dataloaders=..., val_dataloaders=...)``) instead of the
+data module: Lightning then saves the train loader's own ``state_dict()``
+(under ``loops`` -> ``fit_loop`` in the checkpoint), gathered from every
+rank under DDP.
+
 Run: ``.venv/bin/python recipes/lightning_pretrain.py [--steps 24 --checkpoint-at 12]``;
 on a real corpus: ``--data 'corpus/*.jsonl' --tokenizer tokenizer.json``. Data
 parallel: ``torchrun --nproc_per_node=2 recipes/lightning_pretrain.py --devices 2
@@ -102,9 +108,12 @@ def build_pipelines(files: list[str], tokenizer_path: str, eos: int,
     return train, val
 
 
-def fit(dm: ZephonDataModule, vocab: int, args: argparse.Namespace, root: Path, *,
-        ckpt_path: str | None) -> PackedLM:
-    """One Trainer.fit to ``--steps``: from scratch (saving checkpoints) or from ``ckpt_path``."""
+def fit(data: ZephonDataModule | tuple[zt.DataLoader, zt.DataLoader], vocab: int,
+        args: argparse.Namespace, root: Path, *, ckpt_path: str | None) -> PackedLM:
+    """One Trainer.fit to ``--steps``: from scratch (saving checkpoints) or from ``ckpt_path``.
+
+    ``data``: a data module, or (``--bare-loader``) the train and validation loaders.
+    """
     torch.manual_seed(args.seed)
     model = PackedLM(vocab, args.seq_len, args.lr)
     # The same callback in both runs, as Lightning asks when resuming with ckpt_path.
@@ -118,7 +127,15 @@ def fit(dm: ZephonDataModule, vocab: int, args: argparse.Namespace, root: Path, 
         num_sanity_val_steps=0, callbacks=[checkpoints], logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
     )
-    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    if isinstance(data, ZephonDataModule):
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        return model
+    train, val = data
+    try:
+        trainer.fit(model, train_dataloaders=train, val_dataloaders=val, ckpt_path=ckpt_path)
+    finally:
+        train.close()
+        val.close()
     return model
 
 
@@ -165,18 +182,22 @@ def run(args: argparse.Namespace, out: Path) -> int:
               f"{vocab} tokens, EOS id {eos}; rows of {args.seq_len + 1} tokens, batches of "
               f"{args.batch_size}, {args.devices} device(s)", flush=True)
 
-    def data_module() -> ZephonDataModule:
+    def data() -> ZephonDataModule | tuple[zt.DataLoader, zt.DataLoader]:
         train, val = build_pipelines(files, tokenizer_path, eos, args)
         kwargs: dict[str, Any] = {"to_training": _TO_TRAINING, "num_workers": args.num_workers,
                                   "in_process": args.in_process}
         if args.num_workers:
             kwargs["runner"] = args.runner
+        if args.bare_loader:
+            # Lightning saves and restores the train loader itself (its fit loop's
+            # "combined_loader" state), gathered from every rank under DDP.
+            return zt.DataLoader(train, **kwargs), zt.DataLoader(val, **kwargs)
         return ZephonDataModule(train=train, val=val, loader_kwargs=kwargs)
 
     started = time.perf_counter()
-    full = fit(data_module(), vocab, args, out, ckpt_path=None)
+    full = fit(data(), vocab, args, out, ckpt_path=None)
     ckpt = out / "checkpoints" / f"step={args.checkpoint_at}.ckpt"
-    resumed = fit(data_module(), vocab, args, out, ckpt_path=str(ckpt))
+    resumed = fit(data(), vocab, args, out, ckpt_path=str(ckpt))
     elapsed = time.perf_counter() - started
 
     tail = full.seen[args.checkpoint_at:]
@@ -210,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--in-process", action="store_true",
                         help="run the pipelines in the training process (debugging)")
+    parser.add_argument("--bare-loader", action="store_true",
+                        help="pass zephon DataLoaders to Trainer.fit instead of a "
+                             "ZephonDataModule (Lightning checkpoints the train loader)")
     args = parser.parse_args(argv)
     if args.checkpoint_at is None:
         args.checkpoint_at = args.steps // 2

@@ -44,7 +44,11 @@ def _torchrun(nproc: int, *args: str, script: str = "torchrun_ddp.py",
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
                str(RECIPES / script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The script's folder, not the current one, heads the ranks' sys.path: put this
+    # checkout first, so that they (and their engine processes) run the code under test
+    # rather than whichever copy of zephon_torch is installed.
+    path = os.pathsep.join(p for p in (str(RECIPES.parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                                 env=env)
@@ -146,16 +150,33 @@ def test_torchrun_ddp_checkpoint_resumes_every_lane_exactly_on_two_and_one_ranks
         reference[s % LANES][FIRST_STEPS // 2 + s // LANES] for s in range(8)]
 
 
-def test_lightning_ddp_under_torchrun_saves_every_lane_and_resumes_exactly(tmp_path):
-    # The recipe fits twice on Lightning's DDP strategy (uninterrupted, then from its
-    # step-6 checkpoint) and exits non-zero unless every rank saw identical data.
-    result = _torchrun(2, "--devices", "2", "--out", str(tmp_path), "--steps", "12",
-                       "--docs", "600", "--val-every", "8", "--val-batches", "2",
+def _lightning_ddp(out: Path, *args: str) -> dict[str, Any]:
+    """Run the Lightning recipe on two ranks; its step-6 checkpoint.
+
+    The recipe fits twice on Lightning's DDP strategy (uninterrupted, then
+    from its step-6 checkpoint) and exits non-zero unless every rank saw
+    identical data.
+    """
+    result = _torchrun(2, "--devices", "2", "--out", str(out), "--steps", "12",
+                       "--docs", "600", "--val-every", "8", "--val-batches", "2", *args,
                        script="lightning_pretrain.py", timeout=200)
     assert "resume: data identical (6 batches compared by sample ids, on every rank)" \
         in result.stdout, result.stdout + result.stderr
-    saved = torch.load(tmp_path / "checkpoints" / "step=6.ckpt", weights_only=False)
+    return torch.load(out / "checkpoints" / "step=6.ckpt", weights_only=False)
+
+
+def test_lightning_ddp_under_torchrun_saves_every_lane_and_resumes_exactly(tmp_path):
+    saved = _lightning_ddp(tmp_path)
     state = saved["ZephonDataModule"]
     # Both ranks' positions, gathered and merged: any world size can restart from it.
     assert sorted(state["train"]["lanes"]) == ["0", "1", "2", "3"]
     assert state["pass_ended"] is False
+
+
+def test_a_bare_loader_under_lightning_ddp_saves_every_lane_and_resumes_exactly(tmp_path):
+    # zephon DataLoaders passed to Trainer.fit: Lightning saves the train loader's own
+    # state_dict() (rank 0 writes the file), which gathers every rank's position.
+    saved = _lightning_ddp(tmp_path, "--bare-loader")
+    assert "ZephonDataModule" not in saved
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert sorted(state["lanes"]) == ["0", "1", "2", "3"]

@@ -50,7 +50,10 @@ How one iteration is laid out (``in_process=False``, the default)::
   loader asks the loop's fetcher how many handed batches it still holds
   and answers with the state from before them (it remembers the states of
   its last few batches); once Lightning's epoch is over, it answers the
-  start, where the next epoch's iteration begins. See ``_lightning_view``.
+  start, where the next epoch's iteration begins. Under Lightning's DDP the
+  checkpoint's state is gathered from every rank, each having answered for
+  its own fetcher (Lightning builds checkpoints on every rank, and rank 0
+  writes them). See ``_lightning_view``.
 * **Uneven ranks.** Ranks may own different numbers of lanes, and lanes end
   at different times. With ``on_uneven="stop"`` and an initialized
   ``torch.distributed`` group, the main thread takes one vote per step
@@ -95,7 +98,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -291,17 +294,20 @@ class DataLoader:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self, *, gather: bool = False) -> dict[str, Any]:
+    def state_dict(self, *, gather: bool | None = None) -> dict[str, Any]:
         """The pipeline's position after the last batch handed to the caller.
 
         Args:
-            gather: Under an initialized ``torch.distributed`` group with
-                more than one rank (and this loader's rank and world size
-                being the group's), all-gather every rank's state (a
-                collective: call it on every rank, over gloo, see the module
-                doc) and return their
+            gather: ``True``: under an initialized ``torch.distributed``
+                group with more than one rank (and this loader's rank and
+                world size being the group's), all-gather every rank's state
+                (a collective: call it on every rank, over gloo, see the
+                module doc) and return their
                 :func:`~zephon_torch.checkpoint.merge_states`, which any
-                world size can load. Otherwise the local state.
+                world size can load. ``False``: this rank's state. ``None``
+                (the default): gather only when Lightning's fit loop saves
+                this loader in a checkpoint, which it does on every rank;
+                otherwise this rank's state.
 
         Returns:
             A JSON-able dict (the pipeline iterator's ``state_dict()``
@@ -317,8 +323,14 @@ class DataLoader:
         fetcher: the answer is the position after the last batch the
         fetcher passed on (the batches it prefetched do not count), or, once
         Lightning's epoch is over, the start of the next epoch's iteration.
+        Under Lightning's DDP, where only rank 0 writes the checkpoint, the
+        state Lightning saves is gathered (``gather=None``): each rank first
+        answers for the batches its own fetcher holds, then the ranks merge.
         """
-        local = self._local_state(_lightning_view(self))
+        view = _lightning_view(self)
+        local = self._local_state(view)
+        if gather is None:
+            gather = view is not None and view.saving
         if gather and in_group(*resolve_topology(self.rank, self.world_size)):
             import torch.distributed as dist
 
@@ -327,16 +339,16 @@ class DataLoader:
             return merge_states(states)
         return local
 
-    def _local_state(self, view: tuple[int, bool] | None = None) -> dict[str, Any]:
-        """This rank's state; ``view``: ``(batches held unused, epoch over)`` under Lightning."""
+    def _local_state(self, view: _FitView | None = None) -> dict[str, Any]:
+        """This rank's state; ``view``: what Lightning's fit loop holds, under Lightning."""
         if self._loaded is not None:
             state: dict[str, Any] | None = self._loaded
         elif view is None:
             state = self._position.state
         else:
-            held, epoch_over = view
             # Lightning's next epoch calls iter() again, which starts from the beginning.
-            state = None if epoch_over and not held else self._position.before(held)
+            state = (None if view.epoch_over and not view.held
+                     else self._position.before(view.held))
         if state is not None:
             return self._narrow(copy.deepcopy(state))  # the caller may edit what it gets
         return self._fresh_state()
@@ -460,8 +472,16 @@ class _Position:
         return self.handed[-1 - held]
 
 
-def _lightning_view(loader: DataLoader) -> tuple[int, bool] | None:
-    """``(batches held unused, epoch over)`` when Lightning's fit loop iterates ``loader``.
+class _FitView(NamedTuple):
+    """What Lightning's fit loop holds of a train loader, when ``state_dict()`` is called."""
+
+    held: int  # batches its fetcher took from the loader but the step has not received
+    epoch_over: bool  # the step has received the epoch's last batch
+    saving: bool  # the call comes from the loop's checkpoint dump (on every rank)
+
+
+def _lightning_view(loader: DataLoader) -> _FitView | None:
+    """How Lightning's fit loop stands with ``loader``, when it iterates it (else ``None``).
 
     Lightning's ``_FitLoop`` saves its train loaders' ``state_dict()`` in a
     checkpoint (``on_save_checkpoint``), while its ``_PrefetchDataFetcher``
@@ -474,6 +494,12 @@ def _lightning_view(loader: DataLoader) -> tuple[int, bool] | None:
     when ``loader`` is one of its train loaders itself (not, say, the
     loader inside a ``ZephonDataModule`` stream, which counts for itself).
 
+    ``saving`` is true when the innermost fit-loop frame is its
+    ``on_save_checkpoint``: ``Trainer.save_checkpoint`` builds the whole
+    checkpoint (``dump_checkpoint``) on every rank, and only then lets rank
+    0 write it, so a collective is safe there. A call from elsewhere in the
+    fit (a callback, the training step) may come from one rank only.
+
     Returns:
         ``None`` when no fit loop on the stack iterates ``loader``.
     """
@@ -485,12 +511,13 @@ def _lightning_view(loader: DataLoader) -> tuple[int, bool] | None:
                 combined = getattr(owner, "_combined_loader", None)
                 if not any(dl is loader for dl in getattr(combined, "flattened", ())):
                     return None
+                saving = frame.f_code.co_name == "on_save_checkpoint"
                 fetcher = getattr(owner, "_data_fetcher", None)
                 if fetcher is None:
-                    return 0, False
+                    return _FitView(0, False, saving)
                 batches = getattr(fetcher, "batches", None)
                 held = len(batches) if isinstance(batches, list) else 0
-                return held, bool(getattr(fetcher, "done", False))
+                return _FitView(held, bool(getattr(fetcher, "done", False)), saving)
         frame = frame.f_back
     return None
 

@@ -163,11 +163,6 @@ def _chunks(files: list[str]) -> Iterator[list[bytes]]:
 # ---------------------------------------------------------------- the loaders
 
 
-# Larger micro-batches for the stateless stages: fewer hops between processes. A pure
-# performance knob (the output is the same byte for byte), shown apart from the defaults.
-TUNED = {"fetch": 512, "decode_text": 512, "tokenize": 256}
-
-
 def make_loader(name: str, files: list[str], tokenizer_path: str, workers: int) -> Any:
     if name == "torch":
         import torch.utils.data
@@ -187,9 +182,7 @@ def make_loader(name: str, files: list[str], tokenizer_path: str, workers: int) 
         .pack_flat(ROW, num_bins=BINS)
         .batch(BATCH, drop_last=False)
     )
-    sizes = TUNED if name == "zephon-tuned" and workers > 0 else None
-    return DataLoader(pipe, num_workers=workers, to_training={"return_labels": True},
-                      microbatch_sizes=sizes)
+    return DataLoader(pipe, num_workers=workers, to_training={"return_labels": True})
 
 
 def throughput(loader: Any) -> dict[str, Any]:
@@ -283,7 +276,7 @@ def main() -> None:
     files = sorted(corpus.glob("*.jsonl"))
     counts = [int(w) for w in str(args.workers).split(",")]
     contenders = [(name, w) for w in counts
-                  for name in (["zephon", "zephon-tuned", "torch"] if w else ["zephon", "torch"])]
+                  for name in ("zephon", "torch")]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in contenders}
     for _ in range(args.rounds):
         for name, w in contenders:
@@ -301,11 +294,7 @@ def main() -> None:
               f"{rate[(name, w)]:.1f} ({min(rates):.1f}-{max(rates):.1f}) | "
               f"{statistics.median(r['first_batch_s'] for r in rs):.2f} |")
     for w in counts:
-        line = f"num_workers={w}: zephon/torch {rate[('zephon', w)] / rate[('torch', w)]:.2f}x"
-        if w:
-            line += (f", zephon-tuned/torch {rate[('zephon-tuned', w)] / rate[('torch', w)]:.2f}x"
-                     f" (microbatch_sizes={TUNED})")
-        print(line)
+        print(f"num_workers={w}: zephon/torch {rate[('zephon', w)] / rate[('torch', w)]:.2f}x")
     print("target: >= 1.0x")
 
     top = max(counts)

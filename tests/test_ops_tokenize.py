@@ -326,7 +326,7 @@ def test_tombstones_and_sentinels_pass_through_untouched(tok, kind):
 def test_operator_basics(tok, kind):
     op = Tokenize(tok) if kind == "tokenize" else TokenizeChat(tok)
     assert op.name == ("tokenize" if kind == "tokenize" else "tokenize_chat")
-    assert op.default_microbatch_size == 64
+    assert op.default_microbatch_size == 512
     acc = op.accumulator(deterministic=True, ctx=OpContext(microbatch_size=5))
     assert isinstance(acc, CountingAccumulator)
     assert acc.max_batch == 5 and acc.max_latency_ms is None

@@ -126,8 +126,9 @@ def test_fused_operator_rejects_non_elementwise_parts() -> None:
     assert OpTraits().elementwise is False
 
 
-def test_process_runner_cuts_bigger_micro_batches_for_elementwise_stages(tokenizer: Any) -> None:
-    pipe = _chain(tokenizer, barriers=False)
+def test_process_runner_cuts_bigger_micro_batches_for_elementwise_stages() -> None:
+    pipe = (zt.Pipeline.from_items(_items(), num_lanes=4, chunk_size=16, seed=3)
+            .map_transform(_upper).filter(_keep).map_transform(_tag).batch(4))
     sizes = {}
     for runner, overrides in (("process", None), ("process", {"filter": 16}), ("threads", None)):
         it = pipe.iter(runner=runner, num_workers=1, microbatch_sizes=overrides)

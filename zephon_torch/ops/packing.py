@@ -367,7 +367,7 @@ class PackingAccumulator(Accumulator):
 
     def __init__(self, max_length: int, *, num_bins: int = 8, algorithm: str = "first_fit",
                  min_sequence_length: int = 1, oversized: str = "split",
-                 tokens_field: str = "auto", microbatch_size: int = 16) -> None:
+                 tokens_field: str = "auto", microbatch_size: int = 64) -> None:
         _check_common(max_length, num_bins, algorithm, tokens_field, min_sequence_length,
                       oversized)
         _check_int("microbatch_size", microbatch_size, 1, None, "pass a positive size")
@@ -694,7 +694,9 @@ def _is_plan(elem: Any) -> bool:
 class _PackOperator(Operator):
     """What both packers share: validation, the accumulator, traits and config."""
 
-    default_microbatch_size: ClassVar[int] = 16
+    # Rows per assembly task: each is a round trip to a worker under the process
+    # runner, and the output does not depend on how ready rows are grouped.
+    default_microbatch_size: ClassVar[int] = 64
     nested_handles: ClassVar[bool] = True  # bin plans may list shared-memory handles
     _accumulator_type: ClassVar[type[PackingAccumulator]] = PackingAccumulator
 

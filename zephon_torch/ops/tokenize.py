@@ -4,8 +4,9 @@ Both are stateless: the default counting accumulator cuts the stream into
 micro-batches of 512 records, and ``process_many`` encodes one micro-batch with
 a single ``encode_batch`` call (the Rust tokenizer spreads it over its own
 threads, which keep each other busier on a long list of texts than on a
-short one: 512 tokenizes about 8% faster than 128 on two cores), then writes the ids as an ``int32`` numpy array into a shallow copy
-of each payload. The meta is kept, so identity and order survive.
+short one: 512 tokenizes about 8% faster than 128 on two cores), then writes
+the ids as an ``int32`` numpy array into a shallow copy of each payload. The
+meta is kept, so identity and order survive.
 
 Special tokens are added by the operator, not by the tokenizer's
 post-processor: texts are encoded with ``add_special_tokens=False`` and BOS/EOS

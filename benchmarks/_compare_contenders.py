@@ -268,15 +268,13 @@ def collate(rows: list[tuple[np.ndarray, int, np.ndarray]]) -> dict[str, Any]:
 def pack_shuffle_batch(docs: Iterable[np.ndarray], seed: int = 0) -> Iterator[dict[str, Any]]:
     """First-fit packing -> shuffle buffer -> batches of 8 -> tensors, as one generator."""
     packer, buffer, batch = FirstFit(), ShuffleBuffer(seed=seed), []
-    for doc in docs:
-        for row in packer.add(doc):
-            out = buffer.push(row)
-            if out is not None:
-                batch.append(out)
-                if len(batch) == BATCH:
-                    yield collate(batch)
-                    batch = []
-    for row in packer.flush():
+
+    def rows() -> Iterator[tuple[np.ndarray, int, np.ndarray]]:
+        for doc in docs:
+            yield from packer.add(doc)
+        yield from packer.flush()
+
+    for row in rows():
         out = buffer.push(row)
         if out is not None:
             batch.append(out)

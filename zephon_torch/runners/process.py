@@ -552,12 +552,9 @@ class _Supervisor:
             if ref is not None:
                 block_ = shm.Block(ref, self.ledger, tag=None if task is None else task.stage)
             if task is not None and not task.future.done():
-                if infos is None:
-                    records = [SampleRecord(meta, shm.LazyPayload(block_, i))  # type: ignore[arg-type]
-                               for i, meta in enumerate(metas)]
-                else:
-                    records = [SampleRecord(meta, shm.LazyPayload(block_, i, info))  # type: ignore[arg-type]
-                               for i, (meta, info) in enumerate(zip(metas, infos))]
+                infos = infos if infos is not None else [None] * len(metas)
+                records = [SampleRecord(meta, shm.LazyPayload(block_, i, info))  # type: ignore[arg-type]
+                           for i, (meta, info) in enumerate(zip(metas, infos))]
                 for i in empty:
                     records[i] = SampleRecord(metas[i], None)
                 with contextlib.suppress(cf.InvalidStateError):

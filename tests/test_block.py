@@ -1,0 +1,179 @@
+"""Blocks: records as columns, and back, exactly."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zephon_torch.block import Block, BlockBatch, Ragged, Sentinel, blocks_from_records
+from zephon_torch.types import (
+    ContributorRef,
+    SampleBatch,
+    SampleCursor,
+    SampleMeta,
+    SampleRecord,
+)
+from zephon_torch.vocab import (
+    CONTRIBUTORS_TAG,
+    PACKING_METADATA_TAG,
+    TOMBSTONE_REASON_TAG,
+    TOMBSTONE_TAG,
+    close_count,
+    closed_offsets,
+)
+
+small = st.integers(min_value=0, max_value=50)
+lineages = st.lists(st.integers(min_value=0, max_value=5), max_size=3).map(tuple)
+sample_ids = st.tuples(small, small, small)
+
+
+@st.composite
+def cursors(draw: st.DrawFn) -> SampleCursor:
+    return SampleCursor(draw(small), draw(small), draw(sample_ids), draw(lineages))
+
+
+@st.composite
+def tag_sets(draw: st.DrawFn) -> dict | None:
+    kind = draw(st.sampled_from(["none", "none", "tomb", "packed", "packed_tomb", "extra",
+                                 "odd"]))
+    if kind == "none":
+        return None
+    tags: dict = {}
+    if kind in ("packed", "packed_tomb"):
+        refs = draw(st.lists(st.builds(ContributorRef, cursors(), st.booleans()),
+                             min_size=1, max_size=4))
+        tags[CONTRIBUTORS_TAG] = tuple(refs)
+        tags[PACKING_METADATA_TAG] = {"padding_length": draw(small), "num_segments": 2}
+    if kind in ("tomb", "packed_tomb"):
+        tags[TOMBSTONE_TAG] = True
+        tags[TOMBSTONE_REASON_TAG] = draw(st.sampled_from(["filter", "empty", "decode_error"]))
+        if draw(st.booleans()):
+            tags["_tombstone_detail"] = "bad"
+    if kind == "extra":
+        tags["user"] = draw(small)
+    if kind == "odd":  # reserved keys with unusual values survive as they are
+        tags[TOMBSTONE_TAG] = False
+        tags[CONTRIBUTORS_TAG] = ()
+    return tags
+
+
+payloads = st.one_of(
+    st.none(),
+    st.binary(max_size=8),
+    st.fixed_dictionaries({"text": st.text(max_size=5)}),
+    st.lists(st.integers(-5, 5), max_size=6).map(lambda v: np.array(v, dtype=np.int32)),
+    st.fixed_dictionaries({"input_ids": st.lists(st.integers(0, 9), max_size=6)
+                           .map(lambda v: np.array(v, dtype=np.int64))}),
+)
+count_sets = st.one_of(
+    st.integers(0, 3).map(lambda c: {c: 1}),
+    st.just({}),
+    st.dictionaries(st.integers(0, 3), st.integers(1, 4), max_size=3),
+)
+
+
+@st.composite
+def record_lists(draw: st.DrawFn, lane: int = 2) -> list[SampleRecord]:
+    n = draw(st.integers(0, 12))
+    out = []
+    for _ in range(n):
+        meta = SampleMeta(draw(sample_ids), lane, draw(small), draw(small), draw(count_sets),
+                          draw(st.one_of(st.none(), count_sets)), draw(lineages),
+                          draw(tag_sets()))
+        out.append(SampleRecord(meta, draw(payloads)))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(record_lists())
+def test_records_round_trip_through_a_block_exactly(records: list[SampleRecord]) -> None:
+    block = Block.from_records(records, lane=2)
+    assert len(block) == len(records)
+    back = block.records()
+    assert back == records
+    for mine, theirs in zip(back, records):
+        assert mine.meta.tags == theirs.meta.tags
+        assert mine.meta.component_token_counts == theirs.meta.component_token_counts
+    assert pickle.loads(pickle.dumps(block)).records() == records
+
+
+@settings(max_examples=200, deadline=None)
+@given(record_lists(), st.data())
+def test_slices_takes_and_concats_agree_with_the_records(records: list[SampleRecord],
+                                                         data: st.DataObject) -> None:
+    block = Block.from_records(records, lane=2)
+    n = len(records)
+    cut = data.draw(st.integers(0, n))
+    head, tail = block.split_at(cut)
+    assert head.records() == records[:cut]
+    assert tail.records() == records[cut:]
+    assert Block.concat([head, tail]).records() == records
+    index = data.draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=n)) if n else []
+    assert block.take(index).records() == [records[i] for i in index]
+
+
+@settings(max_examples=200, deadline=None)
+@given(record_lists())
+def test_a_block_closes_what_its_records_close(records: list[SampleRecord]) -> None:
+    block = Block.from_records(records, lane=2)
+    assert block.close_counts().tolist() == [close_count(r.meta) for r in records]
+    chunks, offsets = block.closed_offsets()
+    mine = sorted(zip(chunks.tolist(), offsets.tolist()))
+    theirs = sorted(o for r in records for o in closed_offsets(r.meta))
+    assert mine == theirs
+
+
+def test_field_columns_make_dict_payloads_in_key_order() -> None:
+    ids = np.array([[0, 0, i, 5, i] for i in range(3)], dtype=np.int64)
+    tokens = Ragged.from_rows([[1, 2], [], [3, 4, 5]], dtype=np.int32)
+    block = Block(1, ids, fields={"text": ["a", "", "b"], "input_ids": tokens},
+                  component=np.zeros(3, dtype=np.int64))
+    block = block.with_tombstones(np.array([False, True, False]), "empty")
+    records = block.records()
+    assert records[0] == SampleRecord(SampleMeta((0, 0, 0), 1, 5, 0, {0: 1}),
+                                      {"text": "a", "input_ids": np.array([1, 2], np.int32)})
+    assert list(records[0].payload) == ["text", "input_ids"]
+    assert records[1].meta.tombstone and records[1].payload is None
+    assert records[1].meta.tags[TOMBSTONE_REASON_TAG] == "empty"
+    # A block rebuilt from those records views the same records.
+    assert Block.from_records(records).records() == records
+
+
+def test_ragged_take_and_concat_keep_rows() -> None:
+    col = Ragged.from_rows([[1], [2, 3], [], [4, 5, 6]], dtype=np.int32)
+    assert [r.tolist() for r in col.take(np.array([3, 0, 2]))] == [[4, 5, 6], [1], []]
+    parts = [col.slice(0, 2), col.slice(2, 4)]
+    assert Ragged.concat(parts) == col
+    assert col.lengths().tolist() == [1, 2, 0, 3]
+
+
+def test_a_block_of_several_lanes_is_refused_and_split_by_lane() -> None:
+    recs = [SampleRecord(SampleMeta((0, 0, i), i % 2, 0, i, {0: 1}), {"text": "x"})
+            for i in range(4)]
+    with pytest.raises(ValueError, match="one lane"):
+        Block.from_records(recs)
+    blocks = blocks_from_records(recs)
+    assert [b.lane for b in blocks] == [0, 1]
+    assert [r for b in blocks for r in b.records()] == [recs[0], recs[2], recs[1], recs[3]]
+
+
+def test_a_flush_sentinel_is_not_a_block_row() -> None:
+    with pytest.raises(ValueError, match="Sentinel"):
+        Block.from_records([Sentinel(0, 8).record()])
+
+
+def test_a_block_batch_is_a_sample_batch_built_on_demand() -> None:
+    recs = [SampleRecord(SampleMeta((0, 0, i), 3, 1, i, {0: 1}), {"input_ids": np.arange(4)})
+            for i in range(5)]
+    batch = BlockBatch(Block.from_records(recs))
+    assert isinstance(batch, SampleBatch)
+    assert len(batch) == 5
+    assert batch.ids == tuple((0, 0, i) for i in range(5))
+    assert batch == SampleBatch(recs)
+    assert batch.lane_ids == (3,) * 5 and batch.chunk_ids == (1,) * 5
+    assert list(batch) == recs
+    assert pickle.loads(pickle.dumps(batch)) == SampleBatch(recs)

@@ -83,6 +83,7 @@ __all__ = [
     "Contributors",
     "Ragged",
     "Sentinel",
+    "blocks_from_elements",
     "blocks_from_records",
 ]
 
@@ -903,3 +904,31 @@ class BlockBatch(SampleBatch):
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (BlockBatch, (self._block,))
+
+
+def blocks_from_elements(elems: Sequence[Any], stage: str = "") -> list[Block]:
+    """Blocks of a list of records, one per run of records of one lane (order kept).
+
+    Raises:
+        TypeError: An element is not a ``SampleRecord`` (a ``SampleBatch``
+            before ``batch()`` means an operator is out of place).
+        ValueError: A flush sentinel among them (sentinels travel between blocks).
+    """
+    blocks: list[Block] = []
+    run: list[SampleRecord] = []
+    lane = None
+    for elem in elems:
+        if type(elem) is not SampleRecord and not isinstance(elem, SampleRecord):
+            where = f" from stage {stage!r}" if stage else ""
+            raise TypeError(
+                f"a {type(elem).__name__}{where} reached a stage that takes records; place "
+                "record operators before batch()"
+            )
+        if elem.meta.lane_id != lane and run:
+            blocks.append(Block.from_records(run, lane))
+            run = []
+        lane = elem.meta.lane_id
+        run.append(elem)
+    if run:
+        blocks.append(Block.from_records(run, lane))
+    return blocks

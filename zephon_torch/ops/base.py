@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from zephon_torch.block import Block
 from zephon_torch.types import SampleBatch, SampleRecord
 
 if TYPE_CHECKING:
@@ -122,11 +123,6 @@ class Operator:
 
     name: ClassVar[str] = "apply"
     default_microbatch_size: ClassVar[int] = 64
-    #: Whether the payloads reaching ``process_many`` may hold shared-memory
-    #: payload handles nested inside them (a packer's bin plans list their
-    #: documents that way); the process runner then forwards those by
-    #: reference, and the worker sees the real payloads in their place.
-    nested_handles: ClassVar[bool] = False
 
     def setup(self, ctx: OpContext) -> None:
         """Run once per process before any data arrives (load models, open files)."""
@@ -144,6 +140,19 @@ class Operator:
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
         """Transform one micro-batch; must not depend on any earlier call."""
         return list(elems)
+
+    def process_block(self, block: Block) -> Block | list[Element]:
+        """Transform one micro-batch held as a block (one lane's rows, in order).
+
+        Built-in operators override it with array code; the engine uses it
+        when the stage runs in block mode (the accumulator ``takes_blocks``).
+        The default runs :meth:`process_many` on the block's records.
+        """
+        return self.process_many(block.records())
+
+    def has_block_path(self) -> bool:
+        """Whether this operator overrides :meth:`process_block` with a block path."""
+        return type(self).process_block is not Operator.process_block
 
     def process_one(self, elem: Element) -> list[Element]:
         """Transform a single element (by default ``process_many([elem])``)."""

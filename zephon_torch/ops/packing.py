@@ -71,7 +71,6 @@ import numpy as np
 from zephon_torch._training import AUTO_TOKEN_FIELDS
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
-from zephon_torch.runners.shm import LazyPayload
 from zephon_torch.types import (
     CONTRIBUTORS_TAG,
     FLUSH_SENTINEL_TAG,
@@ -192,20 +191,6 @@ def _checked_length(record: SampleRecord, tokens_field: str) -> int:
             f"record {record.meta.sample_id}: {_MASK_FIELD!r} has {len(mask)} entries for "
             f"{length} tokens; it must be aligned with the tokens"
         )
-    return length
-
-
-def _described_length(info: dict[str, int] | None, tokens_field: str) -> int | None:
-    """The token count of a payload known only by its :func:`~zephon_torch.runners.shm.describe`
-    (field -> length of a 1-D integer array, -1 for anything else), when that is
-    enough to know it passes :func:`_checked_length`; else None (read the payload)."""
-    if info is None:
-        return None
-    if tokens_field == "auto":
-        tokens_field = next((name for name in AUTO_TOKEN_FIELDS if name in info), "")
-    length = info.get(tokens_field, -1)
-    if length < 0 or info.get(_MASK_FIELD, length) != length:
-        return None
     return length
 
 
@@ -358,12 +343,6 @@ class PackingAccumulator(Accumulator):
     """
 
     reads_payload = True  # placement needs each document's token count
-    # Under the process runner a tokenized document may still be a handle to
-    # the worker's shared memory: the worker recorded its fields' lengths
-    # (LazyPayload.info), which is all placement needs, and the bin plan lists
-    # the handle, so the document's tokens go from the worker that made them
-    # to the worker that assembles the row without this process reading them.
-    takes_handles = True
 
     def __init__(self, max_length: int, *, num_bins: int = 8, algorithm: str = "first_fit",
                  min_sequence_length: int = 1, oversized: str = "split",
@@ -406,10 +385,6 @@ class PackingAccumulator(Accumulator):
                 if (type(tokens) is np.ndarray and tokens.ndim == 1
                         and tokens.dtype.kind in "iu" and _MASK_FIELD not in payload):
                     size = tokens.shape[0]
-            elif kind is LazyPayload:
-                info = payload.info  # the worker's describe(): -1 for a non-id-array field
-                if info is not None and _MASK_FIELD not in info:
-                    size = info.get(field, 0)
             meta = elem.meta if size > 0 else None
             if (meta is None or size > limit or ((tags := meta.tags)
                     and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_SENTINEL_TAG)))):
@@ -454,12 +429,7 @@ class PackingAccumulator(Accumulator):
         if elem.meta.is_sentinel:  # tombstones (and stray sentinels) go straight on
             ready.append(elem)
             return
-        length = None
-        if type(elem.payload) is LazyPayload:
-            length = _described_length(elem.payload.info, self.tokens_field)
-            if length is None:  # not enough known about it: read it
-                elem = SampleRecord(elem.meta, elem.payload.load())
-        self._admit(elem, ready, length)
+        self._admit(elem, ready)
 
     def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
         # Emitting a bin removes it, so every flush leaves the flushed lanes
@@ -673,16 +643,6 @@ def assemble_segments(plan: Sequence[tuple[Any, int, int]], *,
                                for payload, start, stop in plan]}
 
 
-def _loaded(plan: dict[str, Any]) -> dict[str, Any]:
-    """A bin plan whose pieces are real payloads. A worker receives them so; a plan
-    assembled in the process that placed it may still list shared-memory handles."""
-    pieces = plan[PLAN_KEY]
-    if not any(type(payload) is LazyPayload for payload, _, _ in pieces):
-        return plan
-    return {**plan, PLAN_KEY: [(payload.load() if type(payload) is LazyPayload else payload,
-                                start, stop) for payload, start, stop in pieces]}
-
-
 def _is_plan(elem: Any) -> bool:
     return (type(elem) is SampleRecord and type(elem.payload) is dict
             and PLAN_KEY in elem.payload)
@@ -697,7 +657,6 @@ class _PackOperator(Operator):
     # Rows per assembly task: each is a round trip to a worker under the process
     # runner, and the output does not depend on how ready rows are grouped.
     default_microbatch_size: ClassVar[int] = 64
-    nested_handles: ClassVar[bool] = True  # bin plans may list shared-memory handles
     _accumulator_type: ClassVar[type[PackingAccumulator]] = PackingAccumulator
 
     def __init__(self, max_length: int, *, num_bins: int, algorithm: str, tokens_field: str,
@@ -722,7 +681,7 @@ class _PackOperator(Operator):
 
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
         """Assemble every bin plan into its packed record; pass tombstones through."""
-        return [SampleRecord(e.meta, self._assemble(_loaded(e.payload))) if _is_plan(e) else e
+        return [SampleRecord(e.meta, self._assemble(e.payload)) if _is_plan(e) else e
                 for e in elems]
 
     def _assemble(self, plan: dict[str, Any]) -> Any:

@@ -16,9 +16,17 @@ import concurrent.futures as cf
 from collections.abc import Sequence
 from typing import Any
 
+from zephon_torch.block import Block
 from zephon_torch.ops.base import OpContext, Operator
 
-__all__ = ["InlinePool", "Pool", "ThreadPool", "completed"]
+__all__ = ["InlinePool", "Pool", "ThreadPool", "completed", "run_unit"]
+
+
+def run_unit(op: Operator, unit: Any) -> Any:
+    """Run one micro-batch: ``process_block`` for a block, ``process_many`` for a list."""
+    if type(unit) is Block:
+        return op.process_block(unit)
+    return op.process_many(unit)
 
 
 def completed(value: Any = None, error: BaseException | None = None) -> cf.Future:
@@ -32,23 +40,12 @@ def completed(value: Any = None, error: BaseException | None = None) -> cf.Futur
 
 
 class Pool:
-    """Interface of a worker pool.
+    """Interface of a worker pool."""
 
-    Attributes:
-        remote_payloads: True if results may hold lazy payload handles that
-            :meth:`resolve` must turn into real payloads before a local
-            consumer reads them.
-    """
-
-    remote_payloads: bool = False
-
-    def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
-        """Run ``ops[stage_index].process_many(elems)``; return its future."""
+    def submit(self, stage_index: int, elems: Any) -> cf.Future:
+        """Run the micro-batch ``elems`` (a block or a list) on stage ``stage_index``'s
+        operator (see :func:`run_unit`); return its future."""
         raise NotImplementedError
-
-    def resolve(self, elems: list[Any]) -> list[Any]:
-        """Make every payload in ``elems`` a real, local object (identity here)."""
-        return elems
 
     def close(self) -> None:
         """Release every worker and resource; idempotent."""
@@ -62,15 +59,15 @@ class InlinePool(Pool):
         for op, ctx in zip(self.ops, ctxs):
             op.setup(ctx)
 
-    def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
+    def submit(self, stage_index: int, elems: Any) -> cf.Future:
         try:
-            return completed(self.ops[stage_index].process_many(elems))
+            return completed(run_unit(self.ops[stage_index], elems))
         except BaseException as exc:  # re-raised by the engine, in order
             return completed(error=exc)
 
-    def run(self, stage_index: int, elems: list[Any]) -> list[Any]:
+    def run(self, stage_index: int, elems: Any) -> Any:
         """Run a job and return its result directly (no future)."""
-        return self.ops[stage_index].process_many(elems)
+        return run_unit(self.ops[stage_index], elems)
 
 
 class ThreadPool(Pool):
@@ -87,8 +84,8 @@ class ThreadPool(Pool):
             for ctx in ctxs
         ]
 
-    def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
-        return self._executors[stage_index].submit(self.ops[stage_index].process_many, elems)
+    def submit(self, stage_index: int, elems: Any) -> cf.Future:
+        return self._executors[stage_index].submit(run_unit, self.ops[stage_index], elems)
 
     def close(self) -> None:
         for executor in self._executors:

@@ -485,9 +485,13 @@ class Block:
     def _counts_list(self) -> list[dict[int, int]]:
         if self.counts is not None:
             return self.counts
-        if self.component is None:
-            return [_NO_COUNTS] * len(self)
-        return [_unit_counts(c) for c in self.component.tolist()]
+        component = self.component
+        n = len(self)
+        if component is None:
+            return [_NO_COUNTS] * n
+        if n and component[0] == component[-1] and bool((component == component[0]).all()):
+            return [_unit_counts(int(component[0]))] * n  # the usual block: one component
+        return [_unit_counts(c) for c in component.tolist()]
 
     def tags(self, i: int) -> dict[str, Any]:
         """The ``tags`` dict of row ``i``'s meta (built from the columns)."""

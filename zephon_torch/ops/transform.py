@@ -219,7 +219,8 @@ class MapTransform(Operator):
         else:
             new = [p if dead else fn(p) for p, dead in zip(payloads, block.tomb.tolist())]
         out = block.with_payloads(new)
-        if self.drop_none:
+        # (Not ``None in new``: that compares with ==, which an array payload refuses.)
+        if self.drop_none and any(p is None for p in new):
             none = np.fromiter((p is None for p in new), dtype=bool, count=len(new))
             if block.tomb is not None:
                 none &= ~block.tomb

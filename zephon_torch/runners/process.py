@@ -267,6 +267,7 @@ _sigterm_previous: Any = signal.SIG_DFL  # the disposition ours replaced when in
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM while pools live: chain to an earlier Python handler, else tear down and die."""
     previous = _sigterm_previous
     if callable(previous):
         previous(signum, frame)
@@ -758,8 +759,8 @@ class _Supervisor:
 
         The process dies right after, so nothing is joined or failed: no future
         callback runs, and no lock is waited on for long (the interrupted
-        main thread may hold one). Killing (and reaping sight of) every worker
-        comes first, so that none can write a segment after the sweep.
+        main thread may hold one). The workers are killed, and seen to be
+        dead, before the sweep, so that none can write a segment after it.
         """
         if os.getpid() != self.owner:  # a forked child: these are its parent's
             return

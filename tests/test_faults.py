@@ -370,8 +370,9 @@ _TERMINATED = textwrap.dedent("""
 
     def slow(payload):
         time.sleep(0.002)
-        # 4 KiB per record: every micro-batch travels through a shared-memory segment
-        return {"ids": np.full(512, len(payload["text"]), np.int64)}
+        # 8 KiB per record: every micro-batch and every batch of the loader travels
+        # through a shared-memory segment
+        return {"ids": np.full(1024, len(payload["text"]), np.int64)}
 
     if __name__ == "__main__":
         consumer, previous = sys.argv[1], sys.argv[2]
@@ -396,6 +397,8 @@ _TERMINATED = textwrap.dedent("""
         for k, _ in enumerate(source):
             if k == 5:
                 print("running", flush=True)
+            # A training step: the loader's engine has batches in transit meanwhile.
+            time.sleep(0.01)
             if asked:
                 after += 1
                 if after == 20:  # the pool kept working after the signal

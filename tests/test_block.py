@@ -177,3 +177,31 @@ def test_a_block_batch_is_a_sample_batch_built_on_demand() -> None:
     assert batch.lane_ids == (3,) * 5 and batch.chunk_ids == (1,) * 5
     assert list(batch) == recs
     assert pickle.loads(pickle.dumps(batch)) == SampleBatch(recs)
+
+
+def test_a_block_batch_trains_exactly_as_its_records() -> None:
+    import torch
+
+    rows = []
+    for i in range(4):
+        pad = i
+        tokens = np.arange(10, dtype=np.int32) + i
+        tokens[10 - pad:] = 0
+        positions = np.concatenate([np.arange(4), np.arange(6 - pad), np.arange(pad)]).astype(
+            np.int32)
+        refs = (ContributorRef(SampleCursor(i, 0, (0, 0, i)), True),
+                ContributorRef(SampleCursor(i, 1, (0, 0, i + 10), (0,)), False))
+        meta = SampleMeta((0, 0, i), 1, i, 0, {0: 1}, {0: 10 - pad}, (0,),
+                          {CONTRIBUTORS_TAG: refs, PACKING_METADATA_TAG: {"padding_length": pad}})
+        rows.append(SampleRecord(meta, {"input_ids": tokens, "positions": positions}))
+    plain = SampleBatch(rows)
+    viewed = BlockBatch(Block.from_records(rows))
+    for kwargs in ({}, {"return_labels": True, "return_cu_seqlens": True,
+                        "return_padding_mask": True, "return_num_valid_tokens": True}):
+        mine, theirs = viewed.to_training(**kwargs), plain.to_training(**kwargs)
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            if isinstance(mine[key], torch.Tensor):
+                assert torch.equal(mine[key], theirs[key]), key
+            else:
+                assert mine[key] == theirs[key], key

@@ -34,12 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from zephon_torch.types import PACKING_METADATA_TAG
+from zephon_torch.vocab import AUTO_TOKEN_FIELDS, PACKING_METADATA_TAG
 
 __all__ = ["AUTO_TOKEN_FIELDS", "batch_to_training"]
 
-#: Field names ``tokens_field="auto"`` looks for, in this order.
-AUTO_TOKEN_FIELDS = ("input_ids", "tokens", "token_ids", "ids")
 
 _INT32_MAX = 2**31 - 1
 

@@ -864,6 +864,26 @@ def blocks_from_records(records: Iterable[SampleRecord]) -> list[Block]:
 # --------------------------------------------------------------------------- batches
 
 
+class _Row:
+    """What ``to_training`` reads of a row, without building its record.
+
+    It answers ``row.payload``, ``row.meta.sample_id`` and ``row.meta.tags``
+    (only the packing metadata, the one tag ``to_training`` reads).
+    """
+
+    __slots__ = ("payload", "sample_id", "tags")
+
+    def __init__(self, sample_id: tuple[int, int, int], payload: Any,
+                 tags: Mapping[str, Any]) -> None:
+        self.sample_id = sample_id
+        self.payload = payload
+        self.tags = tags
+
+    @property
+    def meta(self) -> _Row:
+        return self
+
+
 class BlockBatch(SampleBatch):
     """A :class:`~zephon_torch.types.SampleBatch` that is a view over a block of data rows.
 
@@ -905,6 +925,13 @@ class BlockBatch(SampleBatch):
     def ids(self) -> tuple[tuple[int, int, int], ...]:
         """The ``sample_id`` of every record (from the ids column)."""
         return tuple(map(tuple, self._block.ids[:, :3].tolist()))
+
+    def _training_rows(self) -> list[_Row]:
+        block = self._block
+        ids = [tuple(v) for v in block.ids[:, :3].tolist()]
+        packing = block.packing or [None] * len(block)
+        return [_Row(sid, payload, {PACKING_METADATA_TAG: info} if info is not None else {})
+                for sid, payload, info in zip(ids, block.payload_list(), packing)]
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (BlockBatch, (self._block,))

@@ -478,6 +478,10 @@ class SampleBatch:
         """The ``sample_id`` of every record."""
         return tuple(r.meta.sample_id for r in self.records)
 
+    def _training_rows(self) -> Sequence[Any]:
+        """What ``to_training`` reads: the records (a block view has lighter rows)."""
+        return self.records
+
     @property
     def lineage_paths(self) -> tuple[tuple[int, ...], ...]:
         """The ``lineage`` of every record."""
@@ -569,7 +573,7 @@ class SampleBatch:
         from zephon_torch._training import batch_to_training
 
         return batch_to_training(
-            self.records,
+            self._training_rows(),
             tokens_field=tokens_field,
             return_labels=return_labels,
             dtype=dtype,

@@ -68,7 +68,6 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from zephon_torch._training import AUTO_TOKEN_FIELDS
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.types import (
@@ -81,6 +80,7 @@ from zephon_torch.types import (
     SampleMeta,
     SampleRecord,
 )
+from zephon_torch.vocab import AUTO_TOKEN_FIELDS
 
 __all__ = [
     "ALGORITHMS",

@@ -36,6 +36,7 @@ the next batch is ``[n2 n3 n4]``, as live.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -53,17 +54,42 @@ from zephon_torch.vocab import CONTRIBUTORS_TAG
 
 __all__ = [
     "STATE_VERSION",
+    "NotCheckpointableError",
     "ProgressTracker",
     "ReplayFilter",
     "check_state",
     "fingerprint_parts",
     "key_from_json",
     "merge_states",
+    "refuse_nondeterministic",
     "state_checksum",
 ]
 
 #: Format version of :meth:`PipelineIterator.state_dict` states.
 STATE_VERSION = 1
+
+
+class NotCheckpointableError(RuntimeError):
+    """An iterator whose position cannot be saved or restored exactly.
+
+    Raised by ``state_dict()`` and ``load_state_dict()`` of iterators (and
+    loaders) made with ``deterministic=False``: see :func:`refuse_nondeterministic`.
+    """
+
+
+def refuse_nondeterministic(action: str) -> NotCheckpointableError:
+    """The error for ``action`` (``"state_dict()"``, ...) under ``deterministic=False``."""
+    # Why the position cannot be exact: replay regenerates the window's records and
+    # drops those up to the saved cursor, which only works if they come in the order
+    # they came live. Completion order and latency flushes make that order (and the
+    # batches cut from it) differ from run to run.
+    return NotCheckpointableError(
+        f"{action} is not available with deterministic=False: in that mode the stages "
+        "forward results in completion order and may flush on a timer, so the order of the "
+        "items (and the batches cut from them) differs from run to run, and no saved position "
+        "can be replayed exactly. Iterate with deterministic=True (the default) to save and "
+        "resume checkpoints"
+    )
 
 
 # ---------------------------------------------------------------------------- progress
@@ -499,13 +525,29 @@ class ReplayFilter(Operator):
 # ---------------------------------------------------------------------------- states
 
 
-def fingerprint_parts(fingerprint: Mapping[str, Any]) -> dict[str, str]:
-    """A short digest per part of a fingerprint (so a mismatch can say what differs)."""
+def fingerprint_parts(fingerprint: Mapping[str, Any],
+                      stage_names: Sequence[str] | None = None) -> dict[str, str]:
+    """A short digest per part of a fingerprint (so a mismatch can say what differs).
+
+    Besides the digests, which decide whether two configurations match, each
+    operator's parameters are kept as *details* (``"ops[i].<param>"``: the
+    value's JSON text when short, else a digest; ``"ops[i].op"``: the class
+    path; ``"ops[i]#name"``: the stage name when ``stage_names`` is given), so
+    that a mismatch can name the operator and the parameter that changed.
+    Details are never compared: the digests decide.
+    """
     parts = {}
     for key, value in fingerprint.items():
         if key == "ops":
             for i, op in enumerate(value):
                 parts[f"ops[{i}]"] = _digest(op)
+                if isinstance(op, Mapping):
+                    for param, setting in op.items():
+                        # The class path stays whole: it names the operator in messages.
+                        parts[f"ops[{i}].{param}"] = (str(setting) if param == "op"
+                                                      else _shown(setting))
+                if stage_names is not None and i < len(stage_names):
+                    parts[f"ops[{i}]#name"] = str(stage_names[i])
             parts["ops.count"] = str(len(value))
         else:
             parts[key] = _digest(value)
@@ -517,14 +559,77 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+#: Parameter values longer than this (as JSON) are kept as a digest in a state.
+_SHOWN_LENGTH = 40
+_DIGEST_MARK = "sha256:"
+
+
+def _shown(value: Any) -> str:
+    """A parameter's value as a state keeps it: its JSON text, or a digest if long."""
+    text = json.dumps(value, sort_keys=True, default=str)
+    if len(text) <= _SHOWN_LENGTH:
+        return text
+    return _DIGEST_MARK + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _is_detail(key: str) -> bool:
+    """Whether a fingerprint part is an operator detail (kept for messages, never compared)."""
+    return key.startswith("ops[") and not key.endswith("]")
+
+
+def _lane_key_problem(lanes: Mapping[Any, Any]) -> str | None:
+    """What is wrong with a state's lane keys (they must be strings), or None."""
+    bad = [key for key in lanes if not isinstance(key, str)]
+    if not bad:
+        return None
+    with contextlib.suppress(TypeError):  # keys of several types do not sort
+        bad = sorted(bad)
+    kinds = ", ".join(sorted({type(key).__name__ for key in bad}))
+    return (
+        f"lane keys must be strings as state_dict() writes them ('0', '1', ...); this state "
+        f"has {kinds} key(s) {bad!r} (did a serializer turn the JSON object keys into "
+        "numbers?). Turn them back with state['lanes'] = {str(k): v for k, v in "
+        "state['lanes'].items()} and load it again"
+    )
+
+
 def state_checksum(state: Mapping[str, Any]) -> str:
-    """Checksum of a state's content (everything but the checksum itself)."""
+    """Checksum of a state's content (everything but the checksum itself).
+
+    Raises:
+        ValueError: The content cannot be written as JSON (lane keys that are
+            not strings, values that are not builtins).
+    """
     body = {k: v for k, v in state.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    try:
+        text = json.dumps(body, sort_keys=True)
+    except (TypeError, ValueError) as exc:  # keys that do not sort, objects JSON lacks
+        lanes = body.get("lanes")
+        problem = _lane_key_problem(lanes) if isinstance(lanes, Mapping) else None
+        raise ValueError(
+            f"corrupted state: {problem}" if problem else
+            f"corrupted state: its content is not plain JSON ({type(exc).__name__}: {exc}); "
+            "pass the dict state_dict() returned, or json.load of it"
+        ) from exc
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
-def check_state(state: Any, fingerprint: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate a state against this pipeline; raise ValueError saying what is wrong."""
+def check_state(state: Any, fingerprint: Mapping[str, Any], *,
+                stage_names: Sequence[str] | None = None,
+                deterministic: bool = True) -> dict[str, Any]:
+    """Validate a state against this pipeline; raise ValueError saying what is wrong.
+
+    Args:
+        state: The state to load.
+        fingerprint: The pipeline's ``fingerprint()``.
+        stage_names: The pipeline's stage names, to name a changed operator.
+        deterministic: The mode of the iterator that will resume the state.
+
+    Raises:
+        ValueError: The state is corrupted, was saved by another
+            configuration or under ``deterministic=False``.
+        NotCheckpointableError: ``deterministic`` is False.
+    """
     if not isinstance(state, Mapping):
         raise ValueError(f"corrupted state: expected a dict, got {type(state).__name__}")
     version = state.get("version")
@@ -533,21 +638,33 @@ def check_state(state: Any, fingerprint: Mapping[str, Any]) -> dict[str, Any]:
             f"unknown state version {version!r}; this zephon_torch reads version "
             f"{STATE_VERSION}"
         )
+    _check_mode(state)
+    if not deterministic:
+        raise refuse_nondeterministic("load_state_dict()")
     for key, kind in (("lanes", dict), ("fingerprint", dict), ("checksum", str),
                       ("num_lanes", int)):
         if not isinstance(state.get(key), kind):
             raise ValueError(f"corrupted state: {key!r} is missing or not a {kind.__name__}")
+    problem = _lane_key_problem(state["lanes"])
+    if problem:
+        raise ValueError(f"corrupted state: {problem}; nothing was loaded")
     if state["checksum"] != state_checksum(state):
         raise ValueError(
             "corrupted state: the checksum does not match its content (a truncated or edited "
             "checkpoint?); nothing was loaded"
         )
-    mine = fingerprint_parts(fingerprint)
+    mine = fingerprint_parts(fingerprint, stage_names)
     theirs = state["fingerprint"]
-    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if not all(isinstance(key, str) for key in theirs):
+        raise ValueError("corrupted state: the fingerprint's keys must be strings; nothing was "
+                         "loaded")
+    differ = sorted(k for k in set(mine) | set(theirs)
+                    if not _is_detail(k) and mine.get(k) != theirs.get(k))
     if differ:
+        named = [_describe_ops_part(k, mine, theirs) if k.startswith("ops") else k
+                 for k in differ]
         raise ValueError(
-            f"the state was saved by a different pipeline configuration: {', '.join(differ)} "
+            f"the state was saved by a different pipeline configuration: {', '.join(named)} "
             "differ(s). Resume with the same sources, operators, num_lanes, chunk_size, seed "
             "and flush_every_k_chunks"
         )
@@ -565,6 +682,68 @@ def check_state(state: Any, fingerprint: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"corrupted state: lane {lane}: {problem}; nothing was loaded "
                              "(resume from another checkpoint)")
     return dict(state)
+
+
+def _check_mode(state: Mapping[str, Any], where: str = "") -> None:
+    """Refuse a state saved under ``deterministic=False`` (states without the key predate it)."""
+    mode = state.get("deterministic", True)
+    if mode is True:
+        return
+    if mode is not False:
+        raise ValueError(f"corrupted state: {where}'deterministic' must be true or false, got "
+                         f"{mode!r}; nothing was loaded")
+    raise ValueError(
+        f"{where}the state was saved by an iterator with deterministic=False, whose position "
+        "cannot be replayed exactly (results went out in completion order), so it cannot be "
+        "resumed: it records the mode, not a position. Start afresh, or resume from a "
+        "checkpoint saved with deterministic=True"
+    )
+
+
+def _describe_ops_part(key: str, mine: Mapping[str, str], theirs: Mapping[str, Any]) -> str:
+    """A differing operators part, named: which operator, and which parameters changed how.
+
+    ``mine`` holds this pipeline's parts, ``theirs`` the state's; values read
+    ``state's -> this pipeline's``.
+    """
+    if key == "ops.count":
+        return f"ops.count ({theirs.get(key)} operators -> {mine.get(key)})"
+    index = key[len("ops["):-1]
+    if key != f"ops[{index}]" or not index.isdigit():
+        return key
+    prefix = f"{key}."
+    here = {k[len(prefix):]: v for k, v in mine.items() if k.startswith(prefix)}
+    there = {k[len(prefix):]: str(v) for k, v in theirs.items() if k.startswith(prefix)}
+    if key not in theirs:
+        return f"{key} {_op_label(key, mine)} (not in the state's pipeline)"
+    if key not in mine:
+        label = _op_label(key, theirs)
+        return f"{key} (only in the state's pipeline{': ' + label if label else ''})"
+    label = _op_label(key, mine)
+    if not there:  # a state saved before operators' details were kept
+        return f"{key} {label} (its parameters)"
+    if there.get("op") != here.get("op"):
+        return f"{key} {label} (the operator was {_op_label(key, theirs)})"
+    changes = []
+    for param in sorted((set(here) | set(there)) - {"op"}):
+        old, new = there.get(param), here.get(param)
+        if old == new:
+            continue
+        if old is None or new is None:
+            changes.append(f"{param} {'added' if old is None else 'removed'}")
+        elif old.startswith(_DIGEST_MARK) or new.startswith(_DIGEST_MARK):
+            changes.append(f"{param} changed")
+        else:
+            changes.append(f"{param} {old} -> {new}")
+    return f"{key} {label} ({', '.join(changes) or 'its parameters'})"
+
+
+def _op_label(key: str, parts: Mapping[str, Any]) -> str:
+    """Operator ``key``'s name (``"ops[i]"``) from parts: the stage name, else the class name."""
+    name = parts.get(f"{key}#name")
+    if name:
+        return str(name)
+    return str(parts.get(f"{key}.op", "")).rsplit(".", 1)[-1]
 
 
 def _ints(value: Any, minimum: int = 1) -> bool:
@@ -609,9 +788,14 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     first = states[0]
     lanes: dict[str, Any] = {}
     for i, state in enumerate(states):
+        _check_mode(state, f"merge_states: state {i}: ")
         for key in ("version", "fingerprint", "num_lanes"):
             if state.get(key) != first.get(key):
                 raise ValueError(f"merge_states: state {i} has a different {key!r}")
+        problem = _lane_key_problem(state["lanes"]) if isinstance(state.get("lanes"),
+                                                                   Mapping) else None
+        if problem:
+            raise ValueError(f"merge_states: state {i}: {problem}")
         if state.get("checksum") != state_checksum(state):
             raise ValueError(f"merge_states: state {i} is corrupted (checksum mismatch)")
         for lane, entry in state["lanes"].items():
@@ -620,6 +804,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             lanes[lane] = entry
     merged = {
         "version": first["version"],
+        "deterministic": True,  # _check_mode refused any other
         "fingerprint": first["fingerprint"],
         "num_lanes": first["num_lanes"],
         "lanes": dict(sorted(lanes.items(), key=lambda kv: int(kv[0]))),

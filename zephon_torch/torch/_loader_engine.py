@@ -3,7 +3,8 @@
 A producer runs the pipeline's iterator and turns each item into an *event*:
 ``("batch", payload, state)`` where ``payload`` is what the caller will get
 (``to_training`` output, or the ``SampleBatch``) and ``state`` is the
-iterator's ``state_dict()`` right after that item, then one
+iterator's ``state_dict()`` right after that item (None under
+``deterministic=False``, which cannot checkpoint), then one
 ``("end", state)``. Sending the state *with* the batch is what lets the
 loader prefetch freely and still checkpoint exactly: the loader keeps the
 state of the last batch it handed to the caller, never the state of what
@@ -113,10 +114,13 @@ def run_pipeline(spec: EngineSpec) -> Iterator[tuple]:
         if spec.state is not None:
             it.load_state_dict(spec.state)
         kwargs = spec.to_training
+        # deterministic=False cannot checkpoint: no state travels (None), and the
+        # loader's state_dict() raises saying why.
+        state_of = it.state_dict if it.checkpointable else lambda: None
         for item in it:
             payload = item if kwargs is None else item.to_training(**kwargs)
-            yield ("batch", payload, it.state_dict())
-        yield ("end", it.state_dict())
+            yield ("batch", payload, state_of())
+        yield ("end", state_of())
     finally:
         it.close()
 

@@ -128,7 +128,9 @@ class LiveIterator:
         """The state after the last item handed out (the resume state before any)."""
         if self._resume is not None:
             return dict(self._resume)
-        return self.iterator.state_dict()
+        # torchdata snapshots after every item: under deterministic=False a state that
+        # refuses to load (and a warning) rather than an error that stops the iteration.
+        return self.iterator.state_for_snapshot()
 
     def close(self) -> None:
         """Release the iterator's workers, unless they belong to another process."""
@@ -221,7 +223,7 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
             return {}
         kwargs["runner"] = "inline"  # a state needs no worker pool
         with self.pipeline.iter(lanes=lanes, **kwargs) as start:
-            return start.state_dict()
+            return start.state_for_snapshot()  # the state_dict() unless deterministic=False
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Resume from ``state`` at the next ``iter()``.

@@ -102,7 +102,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zephon_torch.checkpoint import check_state, merge_states, state_checksum
+from zephon_torch.checkpoint import (
+    check_state,
+    merge_states,
+    refuse_nondeterministic,
+    state_checksum,
+)
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.iterator import owned_lanes, resolve_topology
 from zephon_torch.torch._loader_dist import StepVote, in_group, vote_group
@@ -240,6 +245,11 @@ class DataLoader:
         self._active: weakref.ref[_LoaderIterator] | None = None
 
     @property
+    def checkpointable(self) -> bool:
+        """Whether :meth:`state_dict` can describe an exact position (``deterministic=True``)."""
+        return bool(self.iter_kwargs.get("deterministic", True))
+
+    @property
     def dataset(self) -> Pipeline:
         """The pipeline (the name torch's DataLoader uses)."""
         return self.pipeline
@@ -317,6 +327,7 @@ class DataLoader:
         Raises:
             RuntimeError: Under Lightning, its fetcher holds more batches of
                 this loader than the loader remembers the states of.
+            NotCheckpointableError: The loader runs with ``deterministic=False``.
 
         While Lightning's ``Trainer.fit`` iterates this loader as its train
         loader, the caller is the training step rather than Lightning's
@@ -327,6 +338,8 @@ class DataLoader:
         state Lightning saves is gathered (``gather=None``): each rank first
         answers for the batches its own fetcher holds, then the ranks merge.
         """
+        if not self.checkpointable:
+            raise refuse_nondeterministic("DataLoader.state_dict()")
         view = _lightning_view(self)
         local = self._local_state(view)
         if gather is None:
@@ -392,7 +405,8 @@ class DataLoader:
             ValueError: The state is corrupted or belongs to another pipeline
                 configuration.
         """
-        checked = check_state(state, self._fingerprint)
+        checked = check_state(state, self._fingerprint, stage_names=self.pipeline.stage_names(),
+                              deterministic=self.checkpointable)
         if checked["num_lanes"] != self.pipeline.source.num_lanes:
             raise ValueError(f"the state has {checked['num_lanes']} lanes, this pipeline "
                              f"{self.pipeline.source.num_lanes}")

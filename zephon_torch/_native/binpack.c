@@ -413,15 +413,19 @@ static int State_init(State *s, PyObject *args, PyObject *kwds) {
 }
 
 static PyObject *State_place(State *s, PyObject *arg) {
+    static const char *const wanted =
+        "place() takes a 1-D C-contiguous array of native int64 lengths "
+        "(numpy.ascontiguousarray(lengths, dtype=numpy.int64))";
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear(); /* not contiguous, or no buffer at all: say what is wanted */
+        PyErr_SetString(PyExc_TypeError, wanted);
+        return NULL;
+    }
     if (view.ndim != 1 || view.itemsize != 8 || !view.format ||
-        !(strcmp(view.format, "q") == 0 || strcmp(view.format, "l") == 0 ||
-          strcmp(view.format, "=q") == 0 || strcmp(view.format, "<q") == 0)) {
+        !(strcmp(view.format, "q") == 0 || strcmp(view.format, "l") == 0)) {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_TypeError,
-                        "place() takes a 1-D C-contiguous array of native int64 lengths "
-                        "(numpy.ascontiguousarray(lengths, dtype=numpy.int64))");
+        PyErr_SetString(PyExc_TypeError, wanted);
         return NULL;
     }
     const int64_t *lengths = (const int64_t *)view.buf;

@@ -7,7 +7,10 @@ meta is already the packed record's final meta and whose payload lists the
 pieces as ``(source payload, start, stop)`` slices. ``process_many`` then does
 the array work on the workers (concatenate, pad, positions, loss mask). The
 decisions depend only on each lane's sequence of documents, never on time or
-on how upstream grouped them into micro-batches.
+on how upstream grouped them into micro-batches. They are made by the
+placement kernel of :mod:`zephon_torch.ops._binpack` (compiled C, or its
+pure-Python twin where no compiler was available: the same decisions), one
+call per lane and ``push_many`` over the documents' token counts.
 
 Placement, for a piece of ``n`` tokens in rows of ``max_length``:
 
@@ -16,7 +19,15 @@ Placement, for a piece of ``n`` tokens in rows of ``max_length``:
   to the earliest opened);
 * ``"wrap"``: one open row; documents are concatenated and cut at row
   boundaries, so a document may continue in the next row (``num_bins`` does
-  not apply).
+  not apply);
+* ``"best_fit_decreasing"``: the lane's documents are held until
+  ``bfd_window`` of them have arrived (or a flush sentinel ends the epoch);
+  then the window's pieces are sorted longest first (ties in stream order)
+  and placed by best fit into as many bins as they need (ties to the earliest
+  opened; ``num_bins`` does not apply), and all the window's bins go out
+  together, in opening order, as the document that completed the window
+  arrives. The packer holds up to ``bfd_window`` documents per lane (their
+  payloads, or their shared-memory handles under the process runner).
 
 When a piece fits no open bin it opens a new one; if ``num_bins`` bins are
 open already, the fullest goes out first (ties: the earliest opened). A bin
@@ -40,6 +51,13 @@ Example: ``first_fit``, ``max_length=8``, ``num_bins=2``, document lengths
     d5   7    fits nothing; 2 open: emit fullest (B,     C=6 D=7            [d1 d3]+pad 2
               the earliest of the tied), open D
     flush     emit C, D in opening order                                    [d4]+2, [d5]+1
+
+The same lengths need four rows whatever the algorithm (27 tokens). On
+``3, 6, 2, 5, 2, 4`` (22 tokens), ``first_fit`` with 2 bins makes four rows
+(10 padding tokens) while ``best_fit_decreasing`` with ``bfd_window=6``
+sorts the window to ``6 (d1), 5 (d3), 4 (d5), 3 (d0), 2 (d2), 2 (d4)``: d1,
+d3 and d5 open A, B and C (room 2, 3, 4); d0 fills B, d2 fills A, d4 goes to
+C, the least room that fits: rows ``[d1 d2]``, ``[d3 d0]``, ``[d5 d4]+2``.
 
 Documents longer than ``max_length`` (``oversized``): ``"split"`` cuts them
 into pieces of ``max_length`` tokens (the last shorter), each piece being the

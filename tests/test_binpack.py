@@ -12,6 +12,7 @@ same order, whatever way the documents are split into calls.
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 from typing import Any
 
@@ -32,13 +33,18 @@ from zephon_torch.ops._binpack import (
 )
 
 Row = tuple[tuple[tuple[int, int, int, int], ...], int, int]  # pieces, used, after
+# ZEPHON_NATIVE=0 stands for a machine without the compiled kernel: its tests skip.
+DISABLED = os.environ.get("ZEPHON_NATIVE", "").strip().lower() in ("0", "false", "no", "off")
+NATIVE = native_available() and not DISABLED
+WHY_NOT = ("the compiled placement kernel is disabled by ZEPHON_NATIVE" if DISABLED else
+           "the compiled placement kernel is not built (no C compiler?)")
 
 
 @pytest.fixture(scope="module", params=["native", "twin"])
 def native(request: pytest.FixtureRequest) -> bool:
     """Each test once on the compiled kernel and once on the twin (placers get it explicitly)."""
-    if request.param == "native" and not native_available():
-        pytest.skip("the compiled placement kernel is not built (no C compiler?)")
+    if request.param == "native" and not NATIVE:
+        pytest.skip(WHY_NOT)
     return request.param == "native"
 
 
@@ -201,7 +207,7 @@ def test_the_rows_do_not_depend_on_how_the_documents_are_split_into_calls(native
     assert got + as_rows(pieces.flush()) == expected
 
 
-@pytest.mark.skipif(not native_available(), reason="the compiled kernel is not built")
+@pytest.mark.skipif(not NATIVE, reason=WHY_NOT)
 @settings(max_examples=300, deadline=None)
 @given(scripts(), st.data())
 def test_the_compiled_kernel_and_the_twin_decide_identically(script, data):
@@ -371,6 +377,8 @@ def test_without_zephon_native_the_compiled_kernel_is_used_when_built(monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NativeKernelWarning)
         assert BinPlacer(8).native is native_available()
+    monkeypatch.setenv("ZEPHON_NATIVE", "1")
+    assert native_enabled() is native_available()
 
 
 def test_an_unknown_zephon_native_value_is_an_error(monkeypatch):

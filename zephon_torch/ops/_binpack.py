@@ -125,7 +125,7 @@ def _warn_missing() -> None:
     warnings.warn(
         f"zephon_torch: the compiled placement kernel is not available ({_NATIVE_ERROR}), so "
         "pack_flat/pack_sequences place documents with the pure-Python twin: the same rows, "
-        "placed about 10-30x slower. For the fast path, install a C compiler and the Python "
+        "placed some 10-50x slower. For the fast path, install a C compiler and the Python "
         "headers (e.g. apt-get install gcc python3-dev) and reinstall the package "
         "(pip install -e ., or python setup.py build_ext --inplace in a checkout); set "
         f"{_ENV}=0 to use the twin without this warning.",

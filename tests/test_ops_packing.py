@@ -892,3 +892,25 @@ def test_the_array_fast_path_decides_exactly_as_the_general_path(case):
     assert [(r.meta.component_sample_counts, r.meta.component_token_counts) for r in fast] == [
         (r.meta.component_sample_counts, r.meta.component_token_counts) for r in general]
     assert rows(fast) == rows(general)
+
+
+@settings(max_examples=150, deadline=None)
+@given(streams())
+def test_the_compiled_kernel_and_the_twin_give_the_same_records(placement, case):
+    if placement != "native":
+        pytest.skip("compares both implementations; runs once, with the native parameter")
+    outputs = []
+    for value in ("1", "0"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("ZEPHON_NATIVE", value)
+            outputs.append(_drive(case["op"], case["records"], case["flush_at"], case["step"]))
+    native, twin = outputs
+    assert [r.meta for r in native] == [r.meta for r in twin]
+    assert [dict(r.meta.tags) for r in native] == [dict(r.meta.tags) for r in twin]
+    assert rows(native) == rows(twin) and positions(native) == positions(twin)
+
+
+def test_the_packer_places_with_the_implementation_zephon_native_selects(placement):
+    acc = accumulator(PackFlat(8))
+    acc.push_many(docs([3]))
+    assert acc._lanes[0].placer.native is (placement == "native")

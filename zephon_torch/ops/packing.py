@@ -401,7 +401,8 @@ class PackingAccumulator(Accumulator):
         # each lane's documents have been placed (one call per lane), so they
         # are slotted in by the document that sent them out.
         out: list[Any] = [None] * len(elems)
-        runs: dict[int, list[tuple[int, SampleRecord, int, int]]] = {}
+        # lane -> (positions, (record, token count, tokens kept), tokens kept)
+        runs: dict[int, tuple[list[int], list[tuple[SampleRecord, int, int]], list[int]]] = {}
         field = AUTO_TOKEN_FIELDS[0] if self.tokens_field == "auto" else self.tokens_field
         limit = self.max_length
         drop, truncate = self.oversized == "drop", self.oversized == "truncate"
@@ -438,8 +439,10 @@ class PackingAccumulator(Accumulator):
                     keep = limit
             run = runs.get(meta.lane_id)
             if run is None:
-                run = runs[meta.lane_id] = []
-            run.append((position, elem, size, keep))
+                run = runs[meta.lane_id] = ([], [], [])
+            run[0].append(position)
+            run[1].append((elem, size, keep))
+            run[2].append(keep)
         for lane_id, run in runs.items():
             self._place_run(lane_id, run, out)
         ready: list[Any] = []
@@ -501,23 +504,22 @@ class PackingAccumulator(Accumulator):
         return BinPlacer(self.max_length, algorithm=self.algorithm, num_bins=self.num_bins,
                          min_sequence_length=self.min_sequence_length, window=self.bfd_window)
 
-    def _place_run(self, lane_id: int, run: list[tuple[int, SampleRecord, int, int]],
+    def _place_run(self, lane_id: int,
+                   run: tuple[list[int], list[tuple[SampleRecord, int, int]], list[int]],
                    out: list[Any]) -> None:
         """Place one lane's documents of this push in one call; slot the rows into ``out``."""
         state = self._lanes.get(lane_id)
         if state is None:
             state = self._lanes[lane_id] = _Lane(self._placer())
+        positions, entries, keeps = run
         base, docs = state.placer.admitted, state.docs
-        lengths = []
-        for k, (_, record, size, keep) in enumerate(run):
-            docs[base + k] = (record, size, keep)
-            lengths.append(keep)
-        placement = state.placer.place(np.array(lengths, dtype=np.int64))
+        docs.update(zip(range(base, base + len(entries)), entries))
+        placement = state.placer.place(np.array(keeps, dtype=np.int64))
         if not placement.rows:
             return
         rows = self._rows(placement, docs)
         for after, row in zip(placement.row_after.tolist(), rows):
-            position = run[after - base][0]
+            position = positions[after - base]
             slot = out[position]
             if slot is None:
                 out[position] = [row]

@@ -12,6 +12,7 @@ the packer does one lane's documents per ``push_many``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -110,8 +111,6 @@ def main() -> None:
           "64 per push_many\n")
     print("| algorithm | open bins | twin us/doc | C us/doc |")
     print("| --- | --- | --- | --- |")
-    import os
-
     for algorithm, bins in (("first_fit", 8), ("first_fit", args.bins),
                             ("best_fit", args.bins), ("best_fit_decreasing", 0)):
         per_doc = {}

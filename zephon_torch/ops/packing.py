@@ -7,7 +7,10 @@ meta is already the packed record's final meta and whose payload lists the
 pieces as ``(source payload, start, stop)`` slices. ``process_many`` then does
 the array work on the workers (concatenate, pad, positions, loss mask). The
 decisions depend only on each lane's sequence of documents, never on time or
-on how upstream grouped them into micro-batches.
+on how upstream grouped them into micro-batches. They are made by the
+placement kernel of :mod:`zephon_torch.ops._binpack` (compiled C, or its
+pure-Python twin where no compiler was available: the same decisions), one
+call per lane and ``push_many`` over the documents' token counts.
 
 Placement, for a piece of ``n`` tokens in rows of ``max_length``:
 
@@ -16,7 +19,15 @@ Placement, for a piece of ``n`` tokens in rows of ``max_length``:
   to the earliest opened);
 * ``"wrap"``: one open row; documents are concatenated and cut at row
   boundaries, so a document may continue in the next row (``num_bins`` does
-  not apply).
+  not apply);
+* ``"best_fit_decreasing"``: the lane's documents are held until
+  ``bfd_window`` of them have arrived (or a flush sentinel ends the epoch);
+  then the window's pieces are sorted longest first (ties in stream order)
+  and placed by best fit into as many bins as they need (ties to the earliest
+  opened; ``num_bins`` does not apply), and all the window's bins go out
+  together, in opening order, as the document that completed the window
+  arrives. The packer holds up to ``bfd_window`` documents per lane (their
+  payloads, or their shared-memory handles under the process runner).
 
 When a piece fits no open bin it opens a new one; if ``num_bins`` bins are
 open already, the fullest goes out first (ties: the earliest opened). A bin
@@ -41,6 +52,13 @@ Example: ``first_fit``, ``max_length=8``, ``num_bins=2``, document lengths
               the earliest of the tied), open D
     flush     emit C, D in opening order                                    [d4]+2, [d5]+1
 
+The same lengths need four rows whatever the algorithm (27 tokens). On
+``3, 6, 2, 5, 2, 4`` (22 tokens), ``first_fit`` with 2 bins makes four rows
+(10 padding tokens) while ``best_fit_decreasing`` with ``bfd_window=6``
+sorts the window to ``6 (d1), 5 (d3), 4 (d5), 3 (d0), 2 (d2), 2 (d4)``: d1,
+d3 and d5 open A, B and C (room 2, 3, 4); d0 fills B, d2 fills A, d4 goes to
+C, the least room that fits: rows ``[d1 d2]``, ``[d3 d0]``, ``[d5 d4]+2``.
+
 Documents longer than ``max_length`` (``oversized``): ``"split"`` cuts them
 into pieces of ``max_length`` tokens (the last shorter), each piece being the
 child ``meta.child(i)`` of its document; ``"drop"`` turns the document into a
@@ -64,26 +82,20 @@ component.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 
+from zephon_torch.block import Block, Contributors, Ragged
+from zephon_torch.ops._binpack import BinPlacer, Placement
 from zephon_torch.ops.accumulators import Accumulator
-from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
-from zephon_torch.types import (
-    CONTRIBUTORS_TAG,
-    FLUSH_SENTINEL_TAG,
-    PACKING_METADATA_TAG,
-    TOMBSTONE_TAG,
-    ContributorRef,
-    SampleCursor,
-    SampleMeta,
-    SampleRecord,
-)
-from zephon_torch.vocab import AUTO_TOKEN_FIELDS
+from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
+from zephon_torch.types import SampleRecord
+from zephon_torch.vocab import AUTO_TOKEN_FIELDS, LOSS_MASK_FIELD
 
 __all__ = [
     "ALGORITHMS",
+    "DEFAULT_BFD_WINDOW",
     "OVERSIZED_MODES",
     "PLAN_KEY",
     "PackFlat",
@@ -96,14 +108,16 @@ __all__ = [
 ]
 
 #: Placement algorithms understood by both packers.
-ALGORITHMS = ("first_fit", "best_fit", "wrap")
+ALGORITHMS = ("first_fit", "best_fit", "wrap", "best_fit_decreasing")
+#: Documents per ``best_fit_decreasing`` window unless ``bfd_window`` says otherwise.
+DEFAULT_BFD_WINDOW = 4096
 #: What to do with a document longer than ``max_length``.
 OVERSIZED_MODES = ("split", "drop", "truncate")
 #: Payload key of a bin plan: the list of ``(payload, start, stop)`` pieces.
 PLAN_KEY = "_pack_plan"
 
 # Per-token payload fields cut together with the tokens when a document is split.
-_MASK_FIELD = "loss_mask"
+_MASK_FIELD = LOSS_MASK_FIELD
 _INT32 = np.iinfo(np.int32)
 
 
@@ -124,7 +138,7 @@ def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
 
 
 def _check_common(max_length: Any, num_bins: Any, algorithm: Any, tokens_field: Any,
-                  min_sequence_length: Any, oversized: Any) -> None:
+                  min_sequence_length: Any, oversized: Any, bfd_window: Any) -> None:
     _check_int("max_length", max_length, 1, None,
                "pass the row length in tokens (the model's sequence length + 1 for pack_flat)")
     _check_int("num_bins", num_bins, 1, None, "pass how many bins may be open per lane (e.g. 8)")
@@ -136,6 +150,14 @@ def _check_common(max_length: Any, num_bins: Any, algorithm: Any, tokens_field: 
     _check_int("min_sequence_length", min_sequence_length, 1, max_length,
                "it must lie between 1 and max_length (1 emits a bin only when it is full)")
     _check_choice("oversized", oversized, OVERSIZED_MODES)
+    if bfd_window is not None:
+        if algorithm != "best_fit_decreasing":
+            raise ValueError(
+                f"bfd_window={bfd_window!r} applies only to algorithm='best_fit_decreasing', "
+                f"not {algorithm!r}; remove it or choose that algorithm"
+            )
+        _check_int("bfd_window", bfd_window, 1, None,
+                   "pass how many documents each best-fit-decreasing window holds (e.g. 4096)")
 
 
 # --------------------------------------------------------------------------- token access
@@ -194,66 +216,7 @@ def _checked_length(record: SampleRecord, tokens_field: str) -> int:
     return length
 
 
-# --------------------------------------------------------------------------- bins
-
-
-class _Piece(NamedTuple):
-    """A contiguous run ``[start, stop)`` of one document's tokens, placed in one bin."""
-
-    payload: Any
-    start: int
-    stop: int
-    meta: SampleMeta  # the document's meta, or its child(i) when it is split
-    doc: SampleMeta  # the document's own meta
-    last: bool  # this piece ends the document, so it closes it
-    truncated: int  # tokens discarded from the document (oversized="truncate")
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-
-# Builds a _Piece from a tuple of its fields without the generated __new__'s
-# argument parsing: pieces are made once per document on the packer's hot path.
-_new_piece = tuple.__new__
-
-
-class _Bin:
-    """An open bin: its pieces in placement order and the tokens they hold."""
-
-    __slots__ = ("pieces", "used")
-
-    def __init__(self) -> None:
-        self.pieces: list[_Piece] = []
-        self.used = 0
-
-    def add(self, piece: _Piece) -> None:
-        self.pieces.append(piece)
-        self.used += piece.size
-
-
-def _first_fit(bins: list[_Bin], size: int, max_length: int) -> int | None:
-    for index, candidate in enumerate(bins):
-        if max_length - candidate.used >= size:
-            return index
-    return None
-
-
-def _best_fit(bins: list[_Bin], size: int, max_length: int) -> int | None:
-    best, best_room = None, max_length + 1
-    for index, candidate in enumerate(bins):
-        room = max_length - candidate.used
-        if size <= room < best_room:  # strict: ties keep the earliest opened
-            best, best_room = index, room
-    return best
-
-
-def _fullest(bins: list[_Bin]) -> int:
-    best, best_used = 0, -1
-    for index, candidate in enumerate(bins):
-        if candidate.used > best_used:  # strict: ties keep the earliest opened
-            best, best_used = index, candidate.used
-    return best
+# --------------------------------------------------------------------------- documents
 
 
 def _add_tokens(totals: dict[int, int], counts: Mapping[int, int], size: int) -> None:
@@ -278,44 +241,68 @@ def _add_tokens(totals: dict[int, int], counts: Mapping[int, int], size: int) ->
         totals[comp] = totals.get(comp, 0) + share
 
 
-def _packed_meta(pieces: Sequence[_Piece], info: dict[str, int]) -> SampleMeta:
-    """The meta of a packed record: its first piece's meta made a child, plus accounting.
+class _Segment:
+    """Documents of one lane that arrived in one block: what their open bins need.
 
-    A piece that ends a document closes it, unless the document already lists
-    contributors (it was packed upstream): then it closes what they close. An
-    earlier piece of a split document is listed without closing anything. The
-    token split of :func:`_add_tokens` is written out for the common document
-    of one component, since this runs once per piece.
+    ``rows`` are the documents' rows in ``block``; document ``base + k`` (the
+    placer's sequence number) is row ``rows[k]``, of ``sizes[k]`` tokens of
+    which ``keeps[k]`` are packed (fewer under ``oversized="truncate"``).
     """
-    refs: list[ContributorRef] = []
-    samples: dict[int, int] = {}
-    tokens: dict[int, int] = {}
-    for piece in pieces:
-        doc, meta = piece.doc, piece.meta
-        counts = doc.component_sample_counts
-        cursor = SampleCursor(meta.chunk_id, meta.chunk_offset, meta.sample_id, meta.lineage)
-        if piece.last:
-            # A document that already lists contributors (packed upstream)
-            # closes what they close; otherwise its last piece closes itself.
-            upstream = doc.tags.get(CONTRIBUTORS_TAG) if doc.tags else None
-            if upstream:
-                refs.extend(upstream)
-            else:
-                refs.append(ContributorRef(cursor, True))
-            for comp, count in counts.items():
-                samples[comp] = samples.get(comp, 0) + count
-        else:
-            refs.append(ContributorRef(cursor, False))
-        if len(counts) == 1:
-            for comp in counts:
-                tokens[comp] = tokens.get(comp, 0) + piece.stop - piece.start
-        else:
-            _add_tokens(tokens, counts, piece.stop - piece.start)
-    first = pieces[0].meta
-    # Fresh tags: a row holding many documents should not inherit one document's tags.
-    tags = {CONTRIBUTORS_TAG: tuple(refs), PACKING_METADATA_TAG: info}
-    return SampleMeta(first.sample_id, first.lane_id, first.chunk_id, first.chunk_offset,
-                      samples, tokens, (*first.lineage, 0), tags)
+
+    __slots__ = ("base", "block", "done", "field", "keeps", "remaining", "rows", "sizes",
+                 "tokens")
+
+    def __init__(self, base: int, block: Block, rows: np.ndarray, sizes: np.ndarray,
+                 keeps: np.ndarray, field: str | None) -> None:
+        self.base = base
+        self.block = block
+        self.rows = rows
+        self.sizes = sizes
+        self.keeps = keeps
+        # The block's token column when it is a ragged id column (the fast path).
+        self.field = field
+        self.tokens: Ragged | None = None if field is None else block.fields[field]
+        self.done = np.zeros(len(rows), dtype=bool)
+        self.remaining = len(rows)
+
+    def compact(self) -> None:
+        """Keep only the block rows of documents still open (so one straggler in an
+        open bin does not hold its whole arrival block)."""
+        keep = np.flatnonzero(~self.done)
+        wanted = self.rows[keep]
+        block = self.block.take(wanted)
+        rows = np.full(len(self.rows), -1, dtype=np.int64)
+        rows[keep] = np.arange(len(keep), dtype=np.int64)
+        self.block, self.rows = block, rows
+        if self.field is not None:
+            self.tokens = block.fields[self.field]
+
+
+class _Lane:
+    """One lane's placement state and the documents that its open bins (or window) hold."""
+
+    __slots__ = ("placer", "segments")
+
+    def __init__(self, placer: BinPlacer) -> None:
+        self.placer = placer
+        self.segments: list[_Segment] = []
+
+    def locate(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Segment index and position within it of documents ``docs``."""
+        bases = np.array([seg.base for seg in self.segments], dtype=np.int64)
+        where = np.searchsorted(bases, docs, side="right") - 1
+        return where, docs - bases[where]
+
+    def forget(self) -> None:
+        """Drop the segments whose documents have all gone out; compact stragglers."""
+        live = [seg for seg in self.segments if seg.remaining]
+        for seg in live[:-1]:  # the newest segment is still filling bins: leave it
+            if seg.remaining * 4 < len(seg.rows) and len(seg.block) > seg.remaining:
+                seg.compact()
+        self.segments = live
+
+    def held(self) -> int:
+        return sum(seg.remaining for seg in self.segments)
 
 
 # --------------------------------------------------------------------------- accumulators
@@ -324,31 +311,47 @@ def _packed_meta(pieces: Sequence[_Piece], info: dict[str, int]) -> SampleMeta:
 class PackingAccumulator(Accumulator):
     """The bin engine shared by both packers: per-lane bins, decided in stream order.
 
-    ``push_many`` returns micro-batches (one lane each, at most
-    ``microbatch_size`` elements) of bin plans and pass-through tombstones, in
-    the order they became ready; nothing ready is held back, so
-    ``has_pending_data(lane)`` is true exactly when the lane has open bins.
-    Control records reaching ``push_many`` (tombstones, or a flush sentinel
-    should a runner forward one) pass through in place without touching any
-    bin; flushing is the runner's call to :meth:`flush`.
+    In block mode (what the engine uses) :meth:`push_block` takes one lane's
+    documents as a block and returns the rows that went out as one block of
+    assembled rows (flat token rows for ``pack_flat``, segment lists for
+    ``pack_sequences``), plus a block of tombstones for documents it drops
+    (empty, or oversized with ``oversized="drop"``). Placement is one call of
+    :class:`~zephon_torch.ops._binpack.BinPlacer` over the block's array of
+    token counts; rows are assembled by gathers from the documents' ragged
+    token column, with positions and padding from offsets and the
+    contributors as a table. Nothing ready is held back, so
+    ``has_pending_data(lane)`` is true exactly when the lane has open bins
+    (or, for ``best_fit_decreasing``, a partial window).
+
+    :meth:`push_many` is the same engine for records (tools, tests and the
+    seed's accumulator contract): it returns micro-batches of assembled
+    rows, tombstones passing through in place.
 
     Args:
         max_length: Tokens per row.
         num_bins: Bins that may be open per lane (``first_fit``/``best_fit``).
-        algorithm: ``"first_fit"``, ``"best_fit"`` or ``"wrap"``.
+        algorithm: One of :data:`ALGORITHMS`.
         min_sequence_length: A bin whose room drops below this goes out.
         oversized: ``"split"``, ``"drop"`` or ``"truncate"``.
         tokens_field: Payload field holding the tokens, or ``"auto"``.
-        microbatch_size: Most elements per emitted micro-batch.
+        microbatch_size: Most elements per micro-batch :meth:`push_many` returns.
+        bfd_window: Documents per ``best_fit_decreasing`` window (default
+            :data:`DEFAULT_BFD_WINDOW`); only for that algorithm.
+        pad_token_id: Token id of the trailing padding (flat rows).
+        emit_positions: Emit per-segment ``positions`` (flat rows).
     """
 
     reads_payload = True  # placement needs each document's token count
+    takes_blocks = True
+    flat = False
 
     def __init__(self, max_length: int, *, num_bins: int = 8, algorithm: str = "first_fit",
                  min_sequence_length: int = 1, oversized: str = "split",
-                 tokens_field: str = "auto", microbatch_size: int = 64) -> None:
+                 tokens_field: str = "auto", microbatch_size: int = 64,
+                 bfd_window: int | None = None, pad_token_id: int = 0,
+                 emit_positions: bool = True) -> None:
         _check_common(max_length, num_bins, algorithm, tokens_field, min_sequence_length,
-                      oversized)
+                      oversized, bfd_window)
         _check_int("microbatch_size", microbatch_size, 1, None, "pass a positive size")
         self.max_length = int(max_length)
         self.num_bins = int(num_bins)
@@ -357,182 +360,351 @@ class PackingAccumulator(Accumulator):
         self.oversized = oversized
         self.tokens_field = tokens_field
         self.microbatch_size = int(microbatch_size)
-        self._choose = _best_fit if algorithm == "best_fit" else _first_fit
-        # lane -> open bins in opening order; a lane absent here is a fresh lane.
-        self._lanes: dict[int, list[_Bin]] = {}
+        self.bfd_window = DEFAULT_BFD_WINDOW if bfd_window is None else int(bfd_window)
+        self.pad_token_id = int(pad_token_id)
+        self.emit_positions = bool(emit_positions)
+        self._lanes: dict[int, _Lane] = {}
 
-    # ------------------------------------------------------------------ contract
+    # ------------------------------------------------------------------ blocks
 
-    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
-        ready: list[SampleRecord] = []
-        if self.algorithm == "wrap":
-            for elem in elems:
-                self._push_one(elem, ready)
-            return self._group(ready)
-        # The common document (a dict whose token field is a 1-D integer array
-        # of 1..max_length tokens, no loss mask) is placed here without the
-        # general path's checks and cutting; anything else takes _push_one.
-        # Both make the same decisions.
-        field = AUTO_TOKEN_FIELDS[0] if self.tokens_field == "auto" else self.tokens_field
-        limit, min_room, lanes = self.max_length, self.min_sequence_length, self._lanes
-        best = self.algorithm == "best_fit"
-        for elem in elems:
-            payload = elem.payload if type(elem) is SampleRecord else None
-            kind = type(payload)
-            size = 0
-            if kind is dict:
-                tokens = payload.get(field)
-                if (type(tokens) is np.ndarray and tokens.ndim == 1
-                        and tokens.dtype.kind in "iu" and _MASK_FIELD not in payload):
-                    size = tokens.shape[0]
-            meta = elem.meta if size > 0 else None
-            if (meta is None or size > limit or ((tags := meta.tags)
-                    and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_SENTINEL_TAG)))):
-                self._push_one(elem, ready)
-                continue
-            bins = lanes.get(meta.lane_id)
-            if bins is None:
-                bins = lanes[meta.lane_id] = []
-            piece = _new_piece(_Piece, (payload, 0, size, meta, meta, True, 0))
-            if best:
-                index = _best_fit(bins, size, limit)
-            else:
-                index = None
-                for position, candidate in enumerate(bins):
-                    if limit - candidate.used >= size:
-                        index = position
-                        break
-            if index is None:
-                if limit - size < min_room:
-                    ready.append(self._close_pieces([piece], size))
-                    continue
-                if len(bins) >= self.num_bins:
-                    ready.append(self._close(bins.pop(_fullest(bins))))
-                target = _Bin()
-                bins.append(target)
-                index = len(bins) - 1
-            else:
-                target = bins[index]
-            target.pieces.append(piece)
-            target.used += size
-            if limit - target.used < min_room:
-                ready.append(self._close(bins.pop(index)))
-        return self._group(ready)
+    def push_block(self, block: Block) -> list[Block]:
+        """Place one lane's documents; return the rows that went out (and any tombstones)."""
+        n = len(block)
+        if not n:
+            return []
+        field = self._token_column(block)
+        if field is not None:
+            sizes = block.fields[field].lengths()
+        else:
+            sizes = np.array([self._measure(block, i) for i in range(n)], dtype=np.int64)
+        limit = self.max_length
+        dropped = np.zeros(n, dtype=bool)
+        reasons: list[str | None] = [None] * n
+        empty = sizes == 0
+        if empty.any():
+            dropped |= empty
+            for i in np.flatnonzero(empty).tolist():
+                reasons[i] = "empty"
+        keeps = sizes
+        if (sizes > limit).any():
+            if self.oversized == "drop":
+                over = sizes > limit
+                dropped |= over
+                for i in np.flatnonzero(over).tolist():
+                    reasons[i] = "oversized"
+            elif self.oversized == "truncate":
+                keeps = np.minimum(sizes, limit)
+        out: list[Block] = []
+        placed = np.flatnonzero(~dropped)
+        if len(placed):
+            state = self._lanes.get(block.lane)
+            if state is None:
+                state = self._lanes[block.lane] = _Lane(self._placer())
+            base = state.placer.admitted
+            state.segments.append(_Segment(base, block, placed, sizes[placed], keeps[placed],
+                                           field))
+            placement = state.placer.place(np.ascontiguousarray(keeps[placed],
+                                                                 dtype=np.int64))
+            if placement.rows:
+                out.append(self._rows(block.lane, state, placement))
+            state.forget()
+        if dropped.any():
+            tombs = np.flatnonzero(dropped)
+            out.append(block.take(tombs).with_tombstones(
+                np.ones(len(tombs), dtype=bool), [reasons[i] for i in tombs.tolist()]))
+        return out
 
-    def _push_one(self, elem: Any, ready: list[SampleRecord]) -> None:
-        """The general path for one element: checks, tombstones, cutting, placement."""
-        if not isinstance(elem, SampleRecord):
-            raise TypeError(
-                f"packing takes SampleRecord elements, got {type(elem).__name__}; "
-                "place pack_flat/pack_sequences before batch()"
-            )
-        if elem.meta.is_sentinel:  # tombstones (and stray sentinels) go straight on
-            ready.append(elem)
-            return
-        self._admit(elem, ready)
+    def _token_column(self, block: Block) -> str | None:
+        """The name of the block's token column when the fast path applies: a ragged
+        column of integer ids that int32 rows can hold, and no loss mask."""
+        fields = block.fields
+        if fields is None or _MASK_FIELD in fields:
+            return None
+        if self.tokens_field == "auto":  # the first present, as the record path takes
+            name = next((f for f in AUTO_TOKEN_FIELDS if f in fields), None)
+        else:
+            name = self.tokens_field if self.tokens_field in fields else None
+        column = fields.get(name) if name is not None else None
+        if (isinstance(column, Ragged) and column.values.dtype.kind in "iu"
+                and np.can_cast(column.values.dtype, np.int32, "same_kind")):
+            return name
+        return None
 
-    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
-        # Emitting a bin removes it, so every flush leaves the flushed lanes
-        # fresh: bins are the only per-lane state.
+    def _measure(self, block: Block, row: int) -> int:
+        """The general path for one document: its token count, checked."""
+        payload = block.payload(row)
+        ids = block.ids[row].tolist()
+        return _checked_length(_Doc((ids[0], ids[1], ids[2]), payload), self.tokens_field)
+
+    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[Any]:
+        # Flushing a placer emits every open bin and leaves it fresh: bins (or
+        # the window) are the only per-lane state.
         lanes = sorted(self._lanes) if lane_id is None else [lane_id]
-        ready = []
+        out: list[Block] = []
         for lane in lanes:
-            ready.extend(self._close(b) for b in self._lanes.pop(lane, ()))
-        return self._group(ready)
+            state = self._lanes.get(lane)
+            if state is None:
+                continue
+            placement = state.placer.flush()
+            if placement.rows:
+                out.append(self._rows(lane, state, placement))
+            state.forget()
+            if state.held():
+                raise RuntimeError(
+                    f"packing: lane {lane} still holds {state.held()} documents after its "
+                    "open bins were flushed, so they would be lost; this is a bug in "
+                    "zephon_torch, please report it"
+                )
+            del self._lanes[lane]
+        if self._record_mode:
+            return self._group([r for b in out for r in b.records()])
+        return out
 
     def has_pending_data(self, lane_id: int | None = None) -> bool:
         if lane_id is None:
-            return any(self._lanes.values())
-        return bool(self._lanes.get(lane_id))
+            return any(state.placer.pending for state in self._lanes.values())
+        state = self._lanes.get(lane_id)
+        return state is not None and state.placer.pending
 
-    # ------------------------------------------------------------------ placement
+    def _placer(self) -> BinPlacer:
+        return BinPlacer(self.max_length, algorithm=self.algorithm, num_bins=self.num_bins,
+                         min_sequence_length=self.min_sequence_length, window=self.bfd_window)
 
-    def _admit(self, record: SampleRecord, ready: list[SampleRecord],
-               length: int | None = None) -> None:
-        """Place one document's pieces (or tombstone it) and collect what goes out.
+    # ------------------------------------------------------------------ rows
 
-        ``length``, when given, is the document's checked token count (known
-        from a shared-memory handle's description); otherwise it is read here.
-        """
-        if length is None:
-            length = _checked_length(record, self.tokens_field)
-        if length == 0:
-            ready.append(tombstone(record, "empty"))
-            return
-        oversized = length > self.max_length
-        if oversized and self.oversized == "drop":
-            ready.append(tombstone(record, "oversized"))
-            return
-        keep = self.max_length if oversized and self.oversized == "truncate" else length
-        bins = self._lanes.setdefault(record.meta.lane_id, [])
-        if self.algorithm == "wrap":
-            self._wrap(bins, record, keep, length - keep, ready)
-            return
-        for piece in self._cut(record, keep, length - keep):
-            self._place(bins, piece, ready)
+    def _rows(self, lane: int, state: _Lane, placement: Placement) -> Block:
+        """The block of the rows that went out; marks the documents they end as done."""
+        pieces = placement.pieces
+        docs, starts, stops, childs = pieces[:, 0], pieces[:, 1], pieces[:, 2], pieces[:, 3]
+        segs, local = state.locate(docs)
+        segments = state.segments
+        count = len(docs)
+        src_rows = np.empty(count, dtype=np.int64)
+        sizes = np.empty(count, dtype=np.int64)
+        keeps = np.empty(count, dtype=np.int64)
+        doc_ids = np.empty((count, 5), dtype=np.int64)
+        for s in np.unique(segs).tolist():
+            sel = segs == s
+            seg = segments[s]
+            at = local[sel]
+            src_rows[sel] = seg.rows[at]
+            sizes[sel] = seg.sizes[at]
+            keeps[sel] = seg.keeps[at]
+            doc_ids[sel] = seg.block.ids[seg.rows[at]]
+        last = stops == keeps
+        whole = last & (starts == 0)
+        row_offsets = placement.row_offsets
+        used = placement.row_used
+        num_rows = len(used)
+        firsts = row_offsets[:-1]
+        per_row = np.diff(row_offsets)
+        row_of = np.repeat(np.arange(num_rows, dtype=np.int64), per_row)
+        truncated = np.where(last, sizes - keeps, 0)
 
-    def _cut(self, record: SampleRecord, keep: int, truncated: int) -> list[_Piece]:
-        """A document's pieces: itself, or children of at most ``max_length`` tokens."""
-        meta, step = record.meta, self.max_length
-        if keep <= step:
-            return [_Piece(record.payload, 0, keep, meta, meta, True, truncated)]
-        return [
-            _Piece(record.payload, start, min(start + step, keep), meta.child(i), meta,
-                   start + step >= keep, 0)
-            for i, start in enumerate(range(0, keep, step))
-        ]
+        # Lineage of each piece: the document's, plus the child index when it is cut.
+        doc_lineage = self._doc_lineage(segments, segs, local)
+        if doc_lineage is None and bool(whole.all()):
+            piece_lineage: list[tuple[int, ...]] | None = None
+        else:
+            base = doc_lineage if doc_lineage is not None else [()] * count
+            piece_lineage = [lin if w else (*lin, c) for lin, w, c in
+                             zip(base, whole.tolist(), childs.tolist())]
+        row_lineage = [(0,)] * num_rows if piece_lineage is None else \
+            [(*piece_lineage[f], 0) for f in firsts.tolist()]
 
-    def _place(self, bins: list[_Bin], piece: _Piece, ready: list[SampleRecord]) -> None:
-        """First/best fit one piece, emitting whatever bins this closes."""
-        index = self._choose(bins, piece.size, self.max_length)
-        if index is None:
-            if self.max_length - piece.size < self.min_sequence_length:
-                lone = _Bin()  # a row on its own: no need to push an open bin out
-                lone.add(piece)
-                ready.append(self._close(lone))
-                return
-            if len(bins) >= self.num_bins:
-                ready.append(self._close(bins.pop(_fullest(bins))))
-            bins.append(_Bin())
-            index = len(bins) - 1
-        target = bins[index]
-        target.add(piece)
-        if self.max_length - target.used < self.min_sequence_length:
-            ready.append(self._close(bins.pop(index)))
+        contributors = self._contributors(segments, segs, local, doc_ids, piece_lineage, last,
+                                          row_of, num_rows)
+        counts, token_counts = self._counts(segments, segs, local, last, stops - starts, row_of,
+                                            used, num_rows)
+        truncated_rows = np.bincount(row_of, weights=truncated, minlength=num_rows)
+        packing = self._infos(per_row.tolist(), used.tolist(),
+                              truncated_rows.astype(np.int64).tolist())
+        payload = self._assemble_rows(segments, segs, src_rows, starts, stops, row_of, used,
+                                      num_rows, firsts)
+        # Documents whose last piece went out are no longer held.
+        for s in np.unique(segs[last]).tolist():
+            seg = segments[s]
+            at = local[last & (segs == s)]
+            seg.done[at] = True
+            seg.remaining = int(len(seg.rows) - seg.done.sum())
+        ids = doc_ids[firsts]
+        return Block(lane, ids, lineage=row_lineage, counts=counts, token_counts=token_counts,
+                     contributors=contributors, packing=packing, **payload)
 
-    def _wrap(self, bins: list[_Bin], record: SampleRecord, keep: int, truncated: int,
-              ready: list[SampleRecord]) -> None:
-        """Append a document to the lane's single open row, cutting it at row ends."""
-        meta, start, index = record.meta, 0, 0
-        while start < keep:
-            if not bins:
-                bins.append(_Bin())
-            row = bins[0]
-            stop = min(keep, start + self.max_length - row.used)
-            last = stop == keep
-            whole = start == 0 and last
-            row.add(_Piece(record.payload, start, stop, meta if whole else meta.child(index),
-                           meta, last, truncated if last else 0))
-            if self.max_length - row.used < self.min_sequence_length:
-                ready.append(self._close(bins.pop()))
-            start, index = stop, index + 1
+    @staticmethod
+    def _doc_lineage(segments: list[_Segment], segs: np.ndarray,
+                     local: np.ndarray) -> list[tuple[int, ...]] | None:
+        if all(seg.block.lineage is None for seg in segments):
+            return None
+        out = []
+        for s, k in zip(segs.tolist(), local.tolist()):
+            seg = segments[s]
+            lineage = seg.block.lineage
+            out.append(lineage[seg.rows[k]] if lineage is not None else ())
+        return out
 
-    # ------------------------------------------------------------------ emission
+    @staticmethod
+    def _contributors(segments: list[_Segment], segs: np.ndarray, local: np.ndarray,
+                      doc_ids: np.ndarray, piece_lineage: list[tuple[int, ...]] | None,
+                      last: np.ndarray, row_of: np.ndarray, num_rows: int) -> Contributors:
+        """One entry per piece, in row order; a document packed upstream (it lists
+        contributors) closes, with its last piece, what its own contributors close."""
+        upstream = any(seg.block.contributors is not None for seg in segments)
+        if not upstream:
+            offsets = np.zeros(num_rows + 1, dtype=np.int64)
+            np.cumsum(np.bincount(row_of, minlength=num_rows), out=offsets[1:])
+            return Contributors(offsets, doc_ids.copy(), piece_lineage, last.copy())
+        ids: list[np.ndarray] = []
+        lineage: list[tuple[int, ...]] = []
+        flags: list[np.ndarray] = []
+        lengths = np.zeros(num_rows, dtype=np.int64)
+        for p, (s, k) in enumerate(zip(segs.tolist(), local.tolist())):
+            seg = segments[s]
+            row = int(seg.rows[k])
+            table = seg.block.contributors
+            own = None if table is None else table.slice(row, row + 1)
+            if last[p] and own is not None and len(own.last):
+                ids.append(own.ids)
+                lineage.extend(own.lineage if own.lineage is not None else [()] * len(own.last))
+                flags.append(own.last)
+                lengths[row_of[p]] += len(own.last)
+            else:
+                ids.append(doc_ids[p:p + 1])
+                lineage.append(piece_lineage[p] if piece_lineage is not None else ())
+                flags.append(last[p:p + 1])
+                lengths[row_of[p]] += 1
+        offsets = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return Contributors(offsets, np.concatenate(ids), lineage if any(lineage) else None,
+                            np.concatenate(flags))
 
-    def _row_info(self, used: int, pieces: Sequence[_Piece]) -> dict[str, int]:
-        """The ``_packing_metadata`` of a closed bin."""
-        return {"num_segments": len(pieces), "num_tokens": used,
-                "truncated_tokens": sum(p.truncated for p in pieces)}
+    @staticmethod
+    def _counts(segments: list[_Segment], segs: np.ndarray, local: np.ndarray,
+                last: np.ndarray, piece_sizes: np.ndarray, row_of: np.ndarray,
+                used: np.ndarray, num_rows: int) -> tuple[list[dict[int, int]],
+                                                          list[dict[int, int]]]:
+        """``component_sample_counts`` and ``component_token_counts`` of every row."""
+        components = []
+        for seg in segments:
+            comp = seg.block.component
+            if seg.block.counts is not None or comp is None or not len(comp) \
+                    or not bool((comp == comp[0]).all()) or comp[0] < 0:
+                components = None
+                break
+            components.append(int(comp[0]))
+        if components is not None and len(set(components)) == 1:
+            # The usual case: every document is one sample of the same component.
+            c = components[0]
+            closed = np.bincount(row_of, weights=last, minlength=num_rows).astype(np.int64)
+            return ([{c: k} if k else {} for k in closed.tolist()],
+                    [{c: u} for u in used.tolist()])
+        counts: list[dict[int, int]] = [{} for _ in range(num_rows)]
+        tokens: list[dict[int, int]] = [{} for _ in range(num_rows)]
+        for p, (s, k) in enumerate(zip(segs.tolist(), local.tolist())):
+            seg = segments[s]
+            doc_counts = seg.block._counts_list()[int(seg.rows[k])]
+            row = int(row_of[p])
+            if last[p]:
+                samples = counts[row]
+                for comp, n in doc_counts.items():
+                    samples[comp] = samples.get(comp, 0) + n
+            _add_tokens(tokens[row], doc_counts, int(piece_sizes[p]))
+        return counts, tokens
 
-    def _close(self, closed: _Bin) -> SampleRecord:
-        """Turn a closed bin into its bin plan record."""
-        return self._close_pieces(closed.pieces, closed.used)
+    def _infos(self, segments: list[int], used: list[int],
+               truncated: list[int]) -> list[dict[str, int]]:
+        """The ``_packing_metadata`` of each row."""
+        if self.flat:
+            limit = self.max_length
+            return [{"num_segments": n, "num_tokens": u, "truncated_tokens": t,
+                     "padding_length": limit - u} for n, u, t in zip(segments, used, truncated)]
+        return [{"num_segments": n, "num_tokens": u, "truncated_tokens": t}
+                for n, u, t in zip(segments, used, truncated)]
 
-    def _close_pieces(self, pieces: list[_Piece], used: int) -> SampleRecord:
-        """The bin plan record of the pieces of one row, ``used`` tokens in all."""
-        meta = _packed_meta(pieces, self._row_info(used, pieces))
-        plan = [(p.payload, p.start, p.stop) for p in pieces]
-        return SampleRecord(meta, {PLAN_KEY: plan, "max_length": self.max_length})
+    def _assemble_rows(self, segments: list[_Segment], segs: np.ndarray, src_rows: np.ndarray,
+                       starts: np.ndarray, stops: np.ndarray, row_of: np.ndarray,
+                       used: np.ndarray, num_rows: int, firsts: np.ndarray) -> dict[str, Any]:
+        """The rows' payloads: ``fields=`` of flat rows, or ``payloads=`` of segment lists."""
+        plans: list[list[tuple[Any, int, int]]] | None = None
+        if not self.flat or any(seg.tokens is None for seg in segments):
+            plans = [[] for _ in range(num_rows)]
+            for p, (s, row) in enumerate(zip(segs.tolist(), src_rows.tolist())):
+                plans[int(row_of[p])].append((segments[s].block.payload(row), int(starts[p]),
+                                              int(stops[p])))
+        if not self.flat:
+            tokens_field = self.tokens_field
+            return {"payloads": [assemble_segments(plan, tokens_field=tokens_field)
+                                 for plan in plans]}  # type: ignore[union-attr]
+        limit = self.max_length
+        if plans is not None:  # the general path: lists, tensors, loss masks
+            built = [assemble_flat_row(plan, limit, tokens_field=self.tokens_field,
+                                       pad_token_id=self.pad_token_id,
+                                       emit_positions=self.emit_positions) for plan in plans]
+            return {"payloads": built}
+        lengths = stops - starts
+        # Where each piece lands: its row, after the pieces before it in that row.
+        before = np.cumsum(lengths) - lengths
+        row_start = before[firsts]
+        dest = row_of * limit + (before - row_start[row_of])
+        out = np.full(num_rows * limit, self.pad_token_id, dtype=np.int32)
+        total = int(lengths.sum())
+        steps = np.arange(total, dtype=np.int64) - np.repeat(before, lengths)
+        dest_index = np.repeat(dest, lengths) + steps
+        for s in np.unique(segs).tolist():
+            sel = segs == s
+            column = segments[s].tokens
+            src = column.offsets[src_rows] if sel.all() else None  # type: ignore[union-attr]
+            if src is None:
+                src = np.zeros(len(lengths), dtype=np.int64)
+                src[sel] = column.offsets[src_rows[sel]]  # type: ignore[union-attr]
+            src_start = src + starts
+            picked = np.repeat(sel, lengths)
+            src_index = (np.repeat(src_start, lengths) + steps)[picked]
+            out[dest_index[picked]] = column.values[src_index]  # type: ignore[union-attr]
+        fields: dict[str, Any] = {"input_ids": out.reshape(num_rows, limit)}
+        if self.emit_positions:
+            positions = np.empty(num_rows * limit, dtype=np.int32)
+            positions[dest_index] = steps
+            grid = np.arange(limit, dtype=np.int64)
+            pad = grid[None, :] >= used[:, None]
+            pad_positions = (grid[None, :] - used[:, None])
+            flat_positions = positions.reshape(num_rows, limit)
+            flat_positions[pad] = pad_positions[pad]
+            fields["positions"] = flat_positions
+        return {"fields": fields}
+
+    # ------------------------------------------------------------------ records
+
+    _record_mode = False
+
+    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
+        """The engine for records: documents placed as blocks of consecutive documents of
+        a lane, rows returned assembled; tombstones (and stray sentinels) pass through."""
+        self._record_mode = True
+        ready: list[Any] = []
+        run: list[SampleRecord] = []
+
+        def place() -> None:
+            if run:
+                for out in self.push_block(Block.from_records(run)):
+                    ready.extend(out.records())
+                run.clear()
+
+        for elem in elems:
+            if not isinstance(elem, SampleRecord):
+                raise TypeError(
+                    f"packing takes SampleRecord elements, got {type(elem).__name__}; "
+                    "place pack_flat/pack_sequences before batch()"
+                )
+            if elem.meta.is_sentinel:
+                place()
+                ready.append(elem)
+                continue
+            if run and run[-1].meta.lane_id != elem.meta.lane_id:
+                place()
+            run.append(elem)
+        place()
+        return self._group(ready)
 
     def _group(self, ready: list[SampleRecord]) -> list[list[Any]]:
         """Cut ready elements into single-lane micro-batches, keeping each lane's order."""
@@ -546,13 +718,24 @@ class PackingAccumulator(Accumulator):
                 for i in range(0, len(elems), size)]
 
 
-class PackFlatAccumulator(PackingAccumulator):
-    """The accumulator of :class:`PackFlat`: rows also record their trailing padding."""
+class _Doc:
+    """A document as :func:`_checked_length` reads it: its sample id and payload."""
 
-    def _row_info(self, used: int, pieces: Sequence[_Piece]) -> dict[str, int]:
-        info = super()._row_info(used, pieces)
-        info["padding_length"] = self.max_length - used
-        return info
+    __slots__ = ("payload", "sample_id")
+
+    def __init__(self, sample_id: tuple[int, int, int], payload: Any) -> None:
+        self.sample_id = sample_id
+        self.payload = payload
+
+    @property
+    def meta(self) -> _Doc:
+        return self
+
+
+class PackFlatAccumulator(PackingAccumulator):
+    """The accumulator of :class:`PackFlat`: flat rows that record their trailing padding."""
+
+    flat = True
 
 
 class PackSequencesAccumulator(PackingAccumulator):
@@ -643,32 +826,28 @@ def assemble_segments(plan: Sequence[tuple[Any, int, int]], *,
                                for payload, start, stop in plan]}
 
 
-def _is_plan(elem: Any) -> bool:
-    return (type(elem) is SampleRecord and type(elem.payload) is dict
-            and PLAN_KEY in elem.payload)
-
-
 # --------------------------------------------------------------------------- operators
 
 
 class _PackOperator(Operator):
     """What both packers share: validation, the accumulator, traits and config."""
 
-    # Rows per assembly task: each is a round trip to a worker under the process
-    # runner, and the output does not depend on how ready rows are grouped.
+    # Rows per micro-batch of push_many (the record path); the output does not
+    # depend on how ready rows are grouped.
     default_microbatch_size: ClassVar[int] = 64
     _accumulator_type: ClassVar[type[PackingAccumulator]] = PackingAccumulator
 
     def __init__(self, max_length: int, *, num_bins: int, algorithm: str, tokens_field: str,
-                 min_sequence_length: int, oversized: str) -> None:
+                 min_sequence_length: int, oversized: str, bfd_window: int | None) -> None:
         _check_common(max_length, num_bins, algorithm, tokens_field, min_sequence_length,
-                      oversized)
+                      oversized, bfd_window)
         self.max_length = int(max_length)
         self.num_bins = int(num_bins)
         self.algorithm = algorithm
         self.tokens_field = tokens_field
         self.min_sequence_length = int(min_sequence_length)
         self.oversized = oversized
+        self.bfd_window = None if bfd_window is None else int(bfd_window)
 
     def accumulator(self, *, deterministic: bool, ctx: OpContext) -> PackingAccumulator:
         """A fresh per-lane bin engine (it never uses the clock, so ``deterministic`` is moot)."""
@@ -677,27 +856,31 @@ class _PackOperator(Operator):
             min_sequence_length=self.min_sequence_length, oversized=self.oversized,
             tokens_field=self.tokens_field,
             microbatch_size=ctx.microbatch_size or self.default_microbatch_size,
+            bfd_window=self.bfd_window,
         )
 
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
-        """Assemble every bin plan into its packed record; pass tombstones through."""
-        return [SampleRecord(e.meta, self._assemble(e.payload)) if _is_plan(e) else e
-                for e in elems]
+        """The accumulator emits assembled rows: nothing is left to do here."""
+        return list(elems)
 
-    def _assemble(self, plan: dict[str, Any]) -> Any:
-        raise NotImplementedError
+    def process_block(self, block: Block) -> Block:
+        """The accumulator emits assembled rows: nothing is left to do here."""
+        return block
 
     def traits(self) -> OpTraits:
         """Packing reorders (rows close out of cursor order) and fans out (split pieces)."""
         return OpTraits(preserves_cursor_order=False, fan_out=True)
 
     def config(self) -> dict[str, Any]:
-        """Every parameter that shapes the output."""
-        return {
+        """Every parameter that shapes the output (``bfd_window`` only where it does)."""
+        config = {
             **super().config(), "max_length": self.max_length, "num_bins": self.num_bins,
             "algorithm": self.algorithm, "tokens_field": self.tokens_field,
             "min_sequence_length": self.min_sequence_length, "oversized": self.oversized,
         }
+        if self.algorithm == "best_fit_decreasing":
+            config["bfd_window"] = self.bfd_window or DEFAULT_BFD_WINDOW
+        return config
 
 
 class PackFlat(_PackOperator):
@@ -714,8 +897,10 @@ class PackFlat(_PackOperator):
     Args:
         max_length: Row length; use the model's sequence length + 1, since
             labels shift by one.
-        num_bins: Bins that may be open per lane (ignored by ``"wrap"``).
-        algorithm: ``"first_fit"``, ``"best_fit"`` or ``"wrap"``.
+        num_bins: Bins that may be open per lane (ignored by ``"wrap"`` and
+            ``"best_fit_decreasing"``).
+        algorithm: ``"first_fit"``, ``"best_fit"``, ``"wrap"`` or
+            ``"best_fit_decreasing"`` (see the module docstring).
         tokens_field: Payload field holding the token ids, or ``"auto"``
             (``input_ids``, ``tokens``, ``token_ids``, ``ids``, in that
             order); a payload may also be a bare 1-D array.
@@ -724,6 +909,9 @@ class PackFlat(_PackOperator):
         min_sequence_length: A bin whose room drops below this is emitted.
         oversized: ``"split"``, ``"drop"`` or ``"truncate"`` for documents
             longer than ``max_length``.
+        bfd_window: Documents per ``"best_fit_decreasing"`` window (default
+            4096; a flush sentinel also ends a window). Only for that
+            algorithm: the packer holds the window's documents.
 
     Raises:
         ValueError: A parameter out of range or an unknown mode.
@@ -734,10 +922,11 @@ class PackFlat(_PackOperator):
 
     def __init__(self, max_length: int, *, num_bins: int = 8, algorithm: str = "first_fit",
                  tokens_field: str = "auto", pad_token_id: int = 0, emit_positions: bool = True,
-                 min_sequence_length: int = 1, oversized: str = "split") -> None:
+                 min_sequence_length: int = 1, oversized: str = "split",
+                 bfd_window: int | None = None) -> None:
         super().__init__(max_length, num_bins=num_bins, algorithm=algorithm,
                          tokens_field=tokens_field, min_sequence_length=min_sequence_length,
-                         oversized=oversized)
+                         oversized=oversized, bfd_window=bfd_window)
         _check_int("pad_token_id", pad_token_id, _INT32.min, _INT32.max,
                    "pass your tokenizer's pad id (rows are int32)")
         if not isinstance(emit_positions, bool):
@@ -745,11 +934,12 @@ class PackFlat(_PackOperator):
         self.pad_token_id = int(pad_token_id)
         self.emit_positions = emit_positions
 
-    def _assemble(self, plan: dict[str, Any]) -> dict[str, np.ndarray]:
-        return assemble_flat_row(plan[PLAN_KEY], plan["max_length"],
-                                 tokens_field=self.tokens_field,
-                                 pad_token_id=self.pad_token_id,
-                                 emit_positions=self.emit_positions)
+    def accumulator(self, *, deterministic: bool, ctx: OpContext) -> PackingAccumulator:
+        """A fresh per-lane bin engine that assembles flat rows."""
+        acc = super().accumulator(deterministic=deterministic, ctx=ctx)
+        acc.pad_token_id = self.pad_token_id
+        acc.emit_positions = self.emit_positions
+        return acc
 
     def config(self) -> dict[str, Any]:
         """Every parameter that shapes the output."""
@@ -770,12 +960,15 @@ class PackSequences(_PackOperator):
 
     Args:
         max_length: Most tokens per bin.
-        num_bins: Bins that may be open per lane (ignored by ``"wrap"``).
-        algorithm: ``"first_fit"``, ``"best_fit"`` or ``"wrap"`` (documents
-            cut at bin boundaries, as pieces).
+        num_bins: Bins that may be open per lane (ignored by ``"wrap"`` and
+            ``"best_fit_decreasing"``).
+        algorithm: ``"first_fit"``, ``"best_fit"``, ``"wrap"`` (documents
+            cut at bin boundaries, as pieces) or ``"best_fit_decreasing"``.
         tokens_field: Payload field holding the token ids, or ``"auto"``.
         min_sequence_length: A bin whose room drops below this is emitted.
         oversized: ``"split"`` (default), ``"drop"`` or ``"truncate"``.
+        bfd_window: Documents per ``"best_fit_decreasing"`` window (default
+            4096); only for that algorithm.
 
     Raises:
         ValueError: A parameter out of range or an unknown mode.
@@ -786,10 +979,8 @@ class PackSequences(_PackOperator):
 
     def __init__(self, max_length: int, *, num_bins: int = 8, algorithm: str = "first_fit",
                  tokens_field: str = "auto", min_sequence_length: int = 1,
-                 oversized: str = "split") -> None:
+                 oversized: str = "split", bfd_window: int | None = None) -> None:
         super().__init__(max_length, num_bins=num_bins, algorithm=algorithm,
                          tokens_field=tokens_field, min_sequence_length=min_sequence_length,
-                         oversized=oversized)
+                         oversized=oversized, bfd_window=bfd_window)
 
-    def _assemble(self, plan: dict[str, Any]) -> dict[str, list[Any]]:
-        return assemble_segments(plan[PLAN_KEY], tokens_field=self.tokens_field)

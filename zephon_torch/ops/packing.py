@@ -394,7 +394,8 @@ class PackingAccumulator(Accumulator):
                     reasons[i] = "oversized"
             elif self.oversized == "truncate":
                 keeps = np.minimum(sizes, limit)
-        out: list[Block] = []
+        rows: Block | None = None
+        row_positions = np.zeros(0, dtype=np.int64)
         placed = np.flatnonzero(~dropped)
         if len(placed):
             state = self._lanes.get(block.lane)
@@ -406,13 +407,18 @@ class PackingAccumulator(Accumulator):
             placement = state.placer.place(np.ascontiguousarray(keeps[placed],
                                                                  dtype=np.int64))
             if placement.rows:
-                out.append(self._rows(block.lane, state, placement))
+                rows = self._rows(block.lane, state, placement)
+                # A row goes out where the document whose placement sent it out was.
+                row_positions = placed[placement.row_after - base]
             state.forget()
-        if dropped.any():
-            tombs = np.flatnonzero(dropped)
-            out.append(block.take(tombs).with_tombstones(
-                np.ones(len(tombs), dtype=bool), [reasons[i] for i in tombs.tolist()]))
-        return out
+        if not dropped.any():
+            return [] if rows is None else [rows]
+        tombs = np.flatnonzero(dropped)
+        dead = block.take(tombs).with_tombstones(np.ones(len(tombs), dtype=bool),
+                                                 [reasons[i] for i in tombs.tolist()])
+        if rows is None:
+            return [dead]
+        return _interleave(rows, row_positions, dead, tombs)
 
     def _token_column(self, block: Block) -> str | None:
         """The name of the block's token column when the fast path applies: a ragged
@@ -716,6 +722,22 @@ class PackingAccumulator(Accumulator):
         size = self.microbatch_size
         return [elems[i:i + size] for elems in by_lane.values()
                 for i in range(0, len(elems), size)]
+
+
+def _interleave(rows: Block, row_positions: np.ndarray, dead: Block,
+                dead_positions: np.ndarray) -> list[Block]:
+    """Rows and tombstones in the order of the input positions they belong to."""
+    positions = np.concatenate([row_positions, dead_positions])
+    kinds = np.concatenate([np.zeros(len(rows), dtype=bool), np.ones(len(dead), dtype=bool)])
+    index = np.concatenate([np.arange(len(rows)), np.arange(len(dead))])
+    order = np.argsort(positions, kind="stable")
+    kinds, index = kinds[order], index[order]
+    out: list[Block] = []
+    cut = np.flatnonzero(kinds[1:] != kinds[:-1]) + 1
+    for start, stop in zip([0, *cut.tolist()], [*cut.tolist(), len(kinds)]):
+        source = dead if kinds[start] else rows
+        out.append(source.take(index[start:stop]))
+    return out
 
 
 class _Doc:

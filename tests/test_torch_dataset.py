@@ -217,6 +217,9 @@ def test_a_dataset_iterator_starts_once_the_one_in_progress_has_been_dropped(
     del first  # dropped unfinished
     assert run_ids(second) == expected  # a new pass
     assert run_ids(ds) == expected  # after the end: another
+    third, fourth = iter(ds), iter(ds)  # neither started: each is a pass of its own
+    assert run_ids(third) == expected
+    assert run_ids(fourth) == expected
 
 
 def test_a_stateful_dataloader_started_over_after_a_break_saves_the_new_pass(

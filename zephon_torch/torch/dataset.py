@@ -180,6 +180,9 @@ class _DatasetIterator:
         return self
 
     def __next__(self) -> Any:
+        if self.live is not None and self.live.handed == 0 \
+                and self.live is not self._dataset._live:
+            self.live = None  # a newer iter() replaced it before it started: start afresh
         if self.live is None:
             self._dataset._take_over(self)  # refuses while another iteration is in progress
             if self.live is None:  # the dataset owns no lane here

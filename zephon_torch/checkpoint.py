@@ -412,8 +412,12 @@ class ReplayFilter(Operator):
 # ---------------------------------------------------------------------------- states
 
 
-def fingerprint_parts(fingerprint: Mapping[str, Any]) -> dict[str, str]:
-    """A short digest per part of a fingerprint (so a mismatch can say what differs)."""
+def fingerprint_parts(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """A short digest per part of a fingerprint (so a mismatch can say what differs).
+
+    The ``data`` part is no digest but the datasets' content tables (see
+    :func:`_dataset_parts`), so that a change can name the file.
+    """
     parts = {}
     for key, value in fingerprint.items():
         if key == "ops":

@@ -371,8 +371,9 @@ class JsonlDataset(_FileDataset):
                 if len(found) == 1:
                     entry, info = found[0]
                     index = load_index(self.cache_dir, entry)
-                for stale, _ in found if len(found) > 1 else ():
-                    remove_entry(self.cache_dir, stale)  # ambiguous: index again
+                else:  # none, or several (ambiguous): index again
+                    for stale, _ in found:
+                        remove_entry(self.cache_dir, stale)
             if index is None:
                 index, line_end, complete = self._scan(file)
                 info = describe_index(index, line_end)

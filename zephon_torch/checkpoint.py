@@ -32,11 +32,22 @@ boundary ``B`` between ``o2`` and ``n1``::
 and for a cross-epoch batch ``[o1 o2 n1]`` (cursor ``n1``): the epoch of
 ``o*`` is complete, so the window starts at ``B``; replay drops ``n1`` and
 the next batch is ``[n2 n3 n4]``, as live.
+
+**Data.** The fingerprint's ``datasets`` part covers each dataset's options
+and its shards' names and sample counts; its ``data`` part holds, per
+dataset, the content table of its shards (size and content digest of each
+file, see :func:`~zephon_torch.sources.base.content_table`). A resume on
+files rewritten in place (same names and line counts, other content) would
+deliver some documents twice and others never, so it is refused, naming the
+file, unless the state went through :func:`accept_changed_data`. States
+saved before content tables existed have no ``data`` part and load as they
+did (their content cannot be checked).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -48,15 +59,18 @@ import numpy as np
 from zephon_torch.block import ID_CHUNK, Block, BlockBatch
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
+from zephon_torch.sources.base import parse_content_table
 from zephon_torch.sources.schedule import Chunk, ScheduleState
 from zephon_torch.types import SampleBatch, SampleRecord
 from zephon_torch.vocab import CONTRIBUTORS_TAG
 
 __all__ = [
+    "ACCEPT_CHANGED_DATA",
     "STATE_VERSION",
     "NotCheckpointableError",
     "ProgressTracker",
     "ReplayFilter",
+    "accept_changed_data",
     "check_state",
     "fingerprint_parts",
     "key_from_json",
@@ -67,6 +81,8 @@ __all__ = [
 
 #: Format version of :meth:`PipelineIterator.state_dict` states.
 STATE_VERSION = 1
+#: The key :func:`accept_changed_data` sets in a state.
+ACCEPT_CHANGED_DATA = "accept_changed_data"
 
 
 class NotCheckpointableError(RuntimeError):
@@ -526,7 +542,7 @@ class ReplayFilter(Operator):
 
 
 def fingerprint_parts(fingerprint: Mapping[str, Any],
-                      stage_names: Sequence[str] | None = None) -> dict[str, str]:
+                      stage_names: Sequence[str] | None = None) -> dict[str, Any]:
     """A short digest per part of a fingerprint (so a mismatch can say what differs).
 
     Besides the digests, which decide whether two configurations match, each
@@ -534,7 +550,9 @@ def fingerprint_parts(fingerprint: Mapping[str, Any],
     value's JSON text when short, else a digest; ``"ops[i].op"``: the class
     path; ``"ops[i]#name"``: the stage name when ``stage_names`` is given), so
     that a mismatch can name the operator and the parameter that changed.
-    Details are never compared: the digests decide.
+    Details are never compared: the digests decide. The ``data`` part is no
+    digest but the datasets' content tables (see :func:`_dataset_parts`), so
+    that a change can name the file.
     """
     parts = {}
     for key, value in fingerprint.items():
@@ -549,9 +567,25 @@ def fingerprint_parts(fingerprint: Mapping[str, Any],
                 if stage_names is not None and i < len(stage_names):
                     parts[f"ops[{i}]#name"] = str(stage_names[i])
             parts["ops.count"] = str(len(value))
+        elif key == "datasets":
+            parts.update(_dataset_parts(value))
         else:
             parts[key] = _digest(value)
     return parts
+
+
+def _dataset_parts(datasets: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``datasets`` and ``data`` parts of a fingerprint (see the module doc).
+
+    ``datasets`` digests everything but the content tables, exactly as it did
+    before they existed, so older states still match; ``data`` keeps each
+    dataset's options digest and content table as they are, so that a
+    mismatch can name the shard.
+    """
+    structure = [{k: v for k, v in d.items() if k != "content"} for d in datasets]
+    data = [{"options": _digest({k: v for k, v in d.items() if k not in ("shards", "content")}),
+             "shards": d.get("content")} for d in datasets]
+    return {"datasets": _digest(structure), "data": data}
 
 
 def _digest(value: Any) -> str:
@@ -659,15 +693,21 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
         raise ValueError("corrupted state: the fingerprint's keys must be strings; nothing was "
                          "loaded")
     differ = sorted(k for k in set(mine) | set(theirs)
-                    if not _is_detail(k) and mine.get(k) != theirs.get(k))
+                    if k != "data" and not _is_detail(k) and mine.get(k) != theirs.get(k))
     if differ:
         named = [_describe_ops_part(k, mine, theirs) if k.startswith("ops") else k
                  for k in differ]
+        detail = (_datasets_detail(mine.get("data"), theirs.get("data"), fingerprint)
+                  if "datasets" in differ else "")
         raise ValueError(
             f"the state was saved by a different pipeline configuration: {', '.join(named)} "
-            "differ(s). Resume with the same sources, operators, num_lanes, chunk_size, seed "
-            "and flush_every_k_chunks"
+            f"differ(s){detail}. Resume with the same sources, operators, num_lanes, "
+            "chunk_size, seed and flush_every_k_chunks"
         )
+    if "data" in theirs and state.get(ACCEPT_CHANGED_DATA) is not True:
+        changed = _data_changes(mine.get("data"), theirs["data"], fingerprint)
+        if changed:
+            raise ValueError(changed)
     for lane, entry in state["lanes"].items():
         if (not str(lane).isdigit() or int(lane) >= state["num_lanes"]
                 or not isinstance(entry, Mapping)):
@@ -746,6 +786,175 @@ def _op_label(key: str, parts: Mapping[str, Any]) -> str:
     return str(parts.get(f"{key}.op", "")).rsplit(".", 1)[-1]
 
 
+def _dataset_tables(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]
+                    ) -> list[tuple[str, list[str], Any, Any]] | None:
+    """Per dataset: (label, current shard names, current entries, saved entries).
+
+    Entries are None where a dataset has no content table. None overall when
+    the state has no usable ``data`` part (an older state).
+
+    Raises:
+        ValueError: The state's ``data`` part is malformed.
+    """
+    if not isinstance(theirs, list) or not isinstance(mine, list):
+        return None
+    described = fingerprint.get("datasets") or []
+    out = []
+    for i, (now, then) in enumerate(zip(mine, theirs)):
+        if not (isinstance(then, Mapping) and isinstance(then.get("options"), str)
+                and isinstance(then.get("shards"), (str, type(None)))):
+            raise ValueError(f"corrupted state: its fingerprint's 'data' entry {i} is "
+                             "malformed; nothing was loaded (resume from another checkpoint)")
+        info = described[i] if i < len(described) else {}
+        label = f"dataset {info.get('name', '?')!r} (datasets[{i}])"
+        names = [str(s[0]) for s in info.get("shards", [])]
+        try:
+            entries = (None if now["shards"] is None else parse_content_table(now["shards"]),
+                       None if then["shards"] is None else parse_content_table(then["shards"]))
+        except ValueError:
+            raise ValueError(f"corrupted state: the content table of {label} is malformed; "
+                             "nothing was loaded (resume from another checkpoint)") from None
+        out.append((label, names, *entries))
+    return out
+
+
+def _datasets_detail(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]) -> str:
+    """What differs in the datasets' structure, naming datasets and shards ("" if unknown)."""
+    tables = _dataset_tables(mine, theirs, fingerprint)
+    if tables is None:
+        return ""
+    notes = []
+    if len(mine) != len(theirs):
+        notes.append(f"the state has {len(theirs)} dataset(s), this pipeline {len(mine)}")
+    for (label, names, now, then), m, t in zip(tables, mine, theirs):
+        what = []
+        if m["options"] != t["options"]:
+            what.append("its options differ (kind, name, component_id, passes, columns or "
+                        "field)")
+        if now is not None and then is not None:
+            what.extend(_shard_differences(names, now, then))
+        if what:
+            notes.append(f"{label}: {'; '.join(what)}")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _shard_differences(names: list[str], now: list[Any], then: list[Any]) -> list[str]:
+    """How two content tables differ in shard names and sample counts."""
+    if [(e.name_tag, e.samples) for e in now] == [(e.name_tag, e.samples) for e in then]:
+        return []
+    named = [names[k] if k < len(names) else f"shard {k}" for k in range(len(now))]
+    saved = {e.name_tag: e for e in then}
+    current = {e.name_tag for e in now}
+    what = []
+    if len(now) != len(then):
+        what.append(f"{len(then)} shard(s) in the state, {len(now)} now")
+    new = [repr(named[k]) for k, e in enumerate(now) if e.name_tag not in saved]
+    if new:
+        what.append(f"new: {', '.join(new[:3])}{' ...' if len(new) > 3 else ''}")
+    gone = sum(1 for e in then if e.name_tag not in current)
+    if gone:
+        what.append(f"{gone} shard(s) of the state are gone (renamed or removed)")
+    counts = [f"{named[k]!r} has {e.samples} samples, {saved[e.name_tag].samples} in the state"
+              for k, e in enumerate(now)
+              if e.name_tag in saved and saved[e.name_tag].samples != e.samples]
+    what.extend(counts[:3])
+    if len(counts) > 3:
+        what.append(f"and {len(counts) - 3} more shard(s) with other sample counts")
+    if not what:
+        what.append("its shards are in another order")
+    return what
+
+
+def _data_changes(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]) -> str | None:
+    """The "data changed" message when a shard's size or content differs, else None."""
+    tables = _dataset_tables(mine, theirs, fingerprint)
+    changes = []
+    for label, names, now, then in tables or ():
+        if now is None or then is None:
+            continue
+        for k, (a, b) in enumerate(zip(now, then)):
+            if a.size is not None and b.size is not None and a.size != b.size:
+                what = f"{b.size} bytes then, {a.size} now"
+            elif a.digest is not None and b.digest is not None and a.digest != b.digest:
+                what = (f"same size ({a.size} bytes) and {a.samples} samples, other content "
+                        "(its first or last bytes, or where its lines start, changed)")
+            else:
+                continue
+            name = names[k] if k < len(names) else f"shard {k}"
+            changes.append(f"{label} shard {k} {name!r}: {what}")
+    if not changes:
+        return None
+    more = f"; and {len(changes) - 3} more shard(s)" if len(changes) > 3 else ""
+    return (
+        f"the data changed since the state was saved: {'; '.join(changes[:3])}{more}. The "
+        "files were rewritten in place (same names and sample counts); resuming on them would "
+        "deliver some documents twice and never deliver others. Restore the files the state "
+        "was saved with, or, to resume on the changed data anyway, accepting those duplicates "
+        "and omissions, load zephon_torch.checkpoint.accept_changed_data(state) instead"
+    )
+
+
+def accept_changed_data(state: Any) -> Any:
+    """A copy of ``state`` that resumes even though the data changed since it was saved.
+
+    Loading a state checks each file's size and content digest against the
+    data now on disk (see the module doc) and refuses a resume on rewritten
+    files. This marks the state so that check is skipped. The consequence is
+    yours: the replayed window and the rest of the pass read the files as
+    they are now, so documents that moved may be delivered twice or never
+    (shard names, sample counts and the configuration must still match).
+
+    ``state`` may be a pipeline state or anything holding some: a merged
+    state, a ``zephon_torch.DataLoader`` or torchdata ``StatefulDataLoader``
+    checkpoint, a ``ZephonDataModule`` state, a whole Lightning checkpoint.
+    Every pipeline state inside is marked (with a fresh checksum); containers
+    on the way to one are copied, everything else (model weights, for
+    instance) is shared, not copied.
+
+    Example:
+        >>> it.load_state_dict(accept_changed_data(saved))  # doctest: +SKIP
+
+    Raises:
+        ValueError: There is no pipeline state inside, or one is corrupted
+            (its checksum does not match).
+    """
+    found = 0
+
+    def mark(value: Any) -> Any:
+        nonlocal found
+        if isinstance(value, Mapping) and {"version", "fingerprint", "lanes", "checksum"} <= set(
+                value):
+            if value.get("checksum") != state_checksum(value):
+                raise ValueError("accept_changed_data: corrupted state: the checksum does not "
+                                 "match its content; nothing was marked")
+            found += 1
+            marked = {k: v for k, v in value.items() if k != "checksum"}
+            marked[ACCEPT_CHANGED_DATA] = True
+            marked["checksum"] = state_checksum(marked)
+            return marked
+        if isinstance(value, Mapping):
+            out = None
+            for key, item in value.items():
+                new = mark(item)
+                if new is not item:
+                    if out is None:
+                        out = copy.copy(value) if isinstance(value, dict) else dict(value)
+                    out[key] = new
+            return value if out is None else out
+        if isinstance(value, (list, tuple)):
+            items = [mark(item) for item in value]
+            if all(a is b for a, b in zip(items, value)):
+                return value
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+    result = mark(state)
+    if not found:
+        raise ValueError("accept_changed_data: no pipeline state in the value given; pass a "
+                         "state_dict() or a checkpoint holding one")
+    return result
+
+
 def _ints(value: Any, minimum: int = 1) -> bool:
     """A list of at least ``minimum`` nonnegative integers."""
     return (isinstance(value, list) and len(value) >= minimum
@@ -810,5 +1019,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "lanes": dict(sorted(lanes.items(), key=lambda kv: int(kv[0]))),
         "round_robin": None,  # a merged state has no single rank's position
     }
+    if all(state.get(ACCEPT_CHANGED_DATA) is True for state in states):
+        merged[ACCEPT_CHANGED_DATA] = True
     merged["checksum"] = state_checksum(merged)
     return merged

@@ -52,6 +52,7 @@ from zephon_torch.block import ID_DATASET, ID_LOCAL, ID_SHARD, Block
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.sources.base import POINTER, Dataset, is_pointer
+from zephon_torch.sources.readers import DataChangedError
 from zephon_torch.types import SampleRecord
 
 __all__ = ["DecodeText", "Fetch"]
@@ -224,6 +225,8 @@ class Fetch(Operator):
         failed = False
         try:
             raws = dataset.read(shard_id, local_ids)
+        except DataChangedError:
+            raise  # a stale view of a rewritten file: never a skipped sample
         except Exception as exc:  # a damaged file: name it, or skip what cannot be read
             raws, failed = self._read_failed(dataset, shard_id, local_ids, exc), True
         if len(raws) != len(local_ids):
@@ -478,7 +481,7 @@ def _last_line_hint(dataset: Dataset | None, sample_id: tuple[int, int, int],
             if fh.tell() == 0:
                 return ""
             fh.seek(-1, 2)
-            ends_with_newline = fh.read(1) == b"\n"
+            ends_with_newline = fh.read(1) in (b"\n", b"\r")  # "\r": an old Mac file
     except (OSError, IndexError):
         return ""
     if ends_with_newline or path.endswith((".gz", ".zst")):

@@ -45,11 +45,12 @@ whatever is left. An engine that finds its parent gone (a broken pipe)
 sweeps its own segments; if both die by ``SIGKILL``, the next pool or
 loader's ``shm.sweep_stale`` removes them (their owner pid is dead).
 
-Lifetime of the engine process: ``close()`` asks it to stop (it closes the
-iterator, which stops and joins its pool workers, and exits), waits, then
-sends ``SIGTERM`` (turned into ``SystemExit`` in the engine so that the
-same clean-up runs), then ``SIGKILL``. ``SIGINT`` is ignored in the engine:
-Ctrl-C reaches the whole process group, and the training process is the one
+Lifetime of the engine process: ``close()`` resumes it if it was stopped
+(``SIGCONT``), asks it to stop (it closes the iterator, which stops and
+joins its pool workers, and exits), waits, then sends ``SIGTERM`` (turned
+into ``SystemExit`` in the engine so that the same clean-up runs), then
+``SIGKILL``. ``SIGINT`` is ignored in the engine: Ctrl-C reaches the whole
+process group, and the training process is the one
 that decides to stop. An engine whose parent dies sees end-of-file on its
 control pipe (or a broken data pipe) and exits.
 """
@@ -420,6 +421,11 @@ class EngineProcess:
             process = self._process
         if process is None:
             return
+        if process.is_alive():
+            # A stopped engine (SIGSTOP, a debugger; the loader's timeout= may be why it is
+            # closed) could neither answer the stop nor handle SIGTERM: let it run again.
+            with contextlib.suppress(OSError):
+                os.kill(process.pid, signal.SIGCONT)
         self._send(_STOP)
         process.join(timeout=_STOP_TIMEOUT)
         if process.is_alive():

@@ -644,6 +644,16 @@ def _column_values(column: Any) -> list[Any]:
     return column.to_pylist()
 
 
+def _table_part(table: Any, rows: np.ndarray) -> Any:
+    """The rows of a decoded row group: a slice when they are a contiguous run."""
+    import pyarrow as pa
+
+    n = rows.size
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows[1:] - rows[:-1] == 1).all()):
+        return table.slice(int(rows[0]), n)  # a contiguous run: no copy
+    return table.take(pa.array(rows))
+
+
 def _table_rows(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
     """One dict per requested row of a decoded row group."""
     import pyarrow as pa
@@ -811,6 +821,53 @@ class ParquetDataset(_FileDataset):
             for position, row in zip(where.tolist(), rows):
                 out[position] = row
         return out
+
+    def read_columns(self, shard_id: int, local_ids: Sequence[int]) -> dict[str, Any] | None:
+        """The rows ``local_ids`` (in that order) as columns, for a block of rows.
+
+        A list column of numbers without nulls becomes one
+        :class:`~zephon_torch.block.Ragged` column sliced from Arrow's
+        offsets (its values copied once, so they are writable and hold no
+        Arrow memory), with no Python per row; any other column becomes a
+        list of Python values. Row ``i`` of the columns is exactly what
+        :meth:`read` gives for it. None when a column cannot be held so (a
+        null list, a fixed-size list): the caller then reads rows.
+        """
+        from zephon_torch.block import Ragged
+
+        ids = self._check_ids(shard_id, local_ids)
+        bounds = self._bounds[shard_id]
+        groups = np.searchsorted(bounds, ids, side="right") - 1
+        parts = []
+        cut = np.flatnonzero(groups[1:] != groups[:-1]) + 1
+        for start, stop in zip([0, *cut.tolist()], [*cut.tolist(), ids.size]):
+            group = int(groups[start])
+            table = self._row_group(shard_id, group)
+            parts.append(_table_part(table, ids[start:stop] - bounds[group]))
+        if not parts:
+            return None
+        import pyarrow as pa
+
+        table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        columns: dict[str, Any] = {}
+        for name, column in zip(table.column_names, table.columns):
+            kind = column.type
+            if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+                if not _is_numeric(kind.value_type):
+                    columns[name] = column.to_pylist()
+                    continue
+                arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+                if arr.null_count or arr.values.null_count:
+                    return None
+                offsets = arr.offsets.to_numpy().astype(np.int64)
+                values = arr.values.to_numpy(zero_copy_only=False)
+                values = values[offsets[0]:offsets[-1]].copy()
+                columns[name] = Ragged(values, offsets - offsets[0])
+            elif pa.types.is_fixed_size_list(kind):
+                return None
+            else:
+                columns[name] = column.to_pylist()
+        return columns
 
     def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:
         """Each row group's compressed size (of the columns read) spread over its rows."""

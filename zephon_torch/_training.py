@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from zephon_torch.vocab import AUTO_TOKEN_FIELDS, PACKING_METADATA_TAG
+from zephon_torch.vocab import PACKING_METADATA_TAG, find_token_field
 
-__all__ = ["AUTO_TOKEN_FIELDS", "batch_to_training"]
+__all__ = ["batch_to_training"]
 
 
 _INT32_MAX = 2**31 - 1
@@ -645,13 +645,7 @@ def _refuse_mixed_payloads(first: Any, other: Any) -> None:
 
 
 def _detect_token_field(payload: dict) -> str:
-    for name in AUTO_TOKEN_FIELDS:
-        if name in payload:
-            return name
-    raise ValueError(
-        f"cannot detect the token field: the payload fields are {sorted(payload)}, none of "
-        f"{list(AUTO_TOKEN_FIELDS)}; pass tokens_field= explicitly"
-    )
+    return find_token_field(payload, "auto")  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- computations

@@ -62,7 +62,7 @@ from zephon_torch.ops.base import OpContext, Operator, OpTraits
 from zephon_torch.sources.base import parse_content_table
 from zephon_torch.sources.schedule import Chunk, ScheduleState
 from zephon_torch.types import SampleBatch, SampleRecord
-from zephon_torch.vocab import CONTRIBUTORS_TAG
+from zephon_torch.vocab import closed_offsets
 
 __all__ = [
     "ACCEPT_CHANGED_DATA",
@@ -273,13 +273,8 @@ class ProgressTracker:
             return  # epochs end at sentinels: closures are not needed
         meta = record.meta
         lane = self.lanes[meta.lane_id]
-        tags = meta.tags
-        if not tags or CONTRIBUTORS_TAG not in tags:
-            lane.close(meta.chunk_id, meta.chunk_offset)
-            return
-        for ref in meta.contribution_refs():
-            if ref.is_last_child:
-                lane.close(ref.cursor.chunk_id, ref.cursor.chunk_offset)
+        for chunk_id, offset in closed_offsets(meta):
+            lane.close(chunk_id, offset)
 
     def close_block(self, block: Block) -> None:
         """Close what a block's rows close (tombstones reaching the consumer)."""

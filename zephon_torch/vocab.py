@@ -144,8 +144,11 @@ def close_count(meta: Any) -> int:
 
 
 def is_empty_text(text: Any) -> bool:
-    """True for a text with nothing to train on: empty, or only whitespace."""
-    return isinstance(text, str) and (not text or text.isspace())
+    """True for a text with nothing to train on: an empty or all-whitespace string, or
+    empty structured content (a list of chat messages with none in it)."""
+    if isinstance(text, str):
+        return not text or text.isspace()
+    return isinstance(text, (list, tuple, dict)) and not text
 
 
 def find_token_field(payload: Any, tokens_field: str) -> str | None:

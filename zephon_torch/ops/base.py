@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from zephon_torch.block import Block
 from zephon_torch.types import SampleBatch, SampleRecord
+from zephon_torch.vocab import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG, tombstone_tags
 
 if TYPE_CHECKING:
     from zephon_torch.ops.accumulators import Accumulator
@@ -204,10 +205,6 @@ def check_elements(result: Any, stage: str) -> list[Element]:
     return result
 
 
-#: Tag holding why a record was tombstoned (``"filter"``, ``"empty"``, ...).
-TOMBSTONE_REASON_TAG = "_tombstone_reason"
-#: Tag holding what was wrong with a skipped bad sample (``"malformed JSON (...)"``).
-TOMBSTONE_DETAIL_TAG = "_tombstone_detail"
 
 
 def tombstone(record: SampleRecord, reason: str, detail: str | None = None) -> SampleRecord:
@@ -222,9 +219,4 @@ def tombstone(record: SampleRecord, reason: str, detail: str | None = None) -> S
     the iterator's skip warning.
     """
     meta = record.meta
-    tags = dict(meta.tags)
-    tags["_tombstone"] = True
-    tags[TOMBSTONE_REASON_TAG] = reason
-    if detail is not None:
-        tags[TOMBSTONE_DETAIL_TAG] = detail
-    return SampleRecord(meta._replace(tags=tags), None)
+    return SampleRecord(meta._replace(tags=tombstone_tags(meta.tags, reason, detail)), None)

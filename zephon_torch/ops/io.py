@@ -54,6 +54,7 @@ from zephon_torch.ops.placement import set_placement
 from zephon_torch.sources.base import POINTER, Dataset, is_pointer
 from zephon_torch.sources.readers import DataChangedError
 from zephon_torch.types import SampleRecord
+from zephon_torch.vocab import is_empty_text
 
 __all__ = ["DecodeText", "Fetch"]
 
@@ -373,7 +374,7 @@ class DecodeText(Operator):
         try:
             if isinstance(payload, dict):
                 text = payload.get(field)
-                if isinstance(text, str) and (not text or text.isspace()):
+                if isinstance(text, str) and is_empty_text(text):
                     return "empty", None
                 return "same", None
             if isinstance(payload, (bytes, bytearray, memoryview, str)):
@@ -388,7 +389,7 @@ class DecodeText(Operator):
                     raise _DecodeError(f"got {type(payload).__name__} from a dataset whose "
                                        f"raw_format is {raw_format!r}")
                 text = value[field]
-                if not text or (isinstance(text, str) and text.isspace()):
+                if is_empty_text(text):
                     return "empty", None
                 if raw_format == "text" and isinstance(payload, str) and not text.isascii():
                     # Strict UTF-8 decoding cannot yield a surrogate; a str can.
@@ -413,7 +414,7 @@ class DecodeText(Operator):
             texts = block.fields.get(self.field)
             if not isinstance(texts, list):
                 return block
-            empty = np.fromiter((isinstance(t, str) and (not t or t.isspace()) for t in texts),
+            empty = np.fromiter((isinstance(t, str) and is_empty_text(t) for t in texts),
                                 dtype=bool, count=n)
             return block.with_tombstones(empty, "empty") if empty.any() else block
         payloads = block.payloads

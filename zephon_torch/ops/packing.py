@@ -91,7 +91,7 @@ from zephon_torch.ops._binpack import BinPlacer, Placement
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
 from zephon_torch.types import SampleRecord
-from zephon_torch.vocab import AUTO_TOKEN_FIELDS, LOSS_MASK_FIELD
+from zephon_torch.vocab import AUTO_TOKEN_FIELDS, LOSS_MASK_FIELD, find_token_field
 
 __all__ = [
     "ALGORITHMS",
@@ -163,28 +163,8 @@ def _check_common(max_length: Any, num_bins: Any, algorithm: Any, tokens_field: 
 # --------------------------------------------------------------------------- token access
 
 
-def _token_field(payload: Any, tokens_field: str) -> str | None:
-    """The dict key holding the tokens, or None when the payload is the array itself."""
-    if not isinstance(payload, dict):
-        return None
-    if tokens_field != "auto":
-        if tokens_field not in payload:
-            raise ValueError(
-                f"payload has no token field {tokens_field!r} (its fields: {sorted(payload)}); "
-                "set tokens_field= to the field holding the token ids"
-            )
-        return tokens_field
-    for name in AUTO_TOKEN_FIELDS:
-        if name in payload:
-            return name
-    raise ValueError(
-        f"cannot detect the token field: the payload fields are {sorted(payload)}, none of "
-        f"{list(AUTO_TOKEN_FIELDS)}; tokenize first or pass tokens_field= explicitly"
-    )
-
-
 def _tokens(payload: Any, tokens_field: str) -> Any:
-    field = _token_field(payload, tokens_field)
+    field = find_token_field(payload, tokens_field)
     return payload if field is None else payload[field]
 
 
@@ -650,33 +630,35 @@ class PackingAccumulator(Accumulator):
         lengths = stops - starts
         # Where each piece lands: its row, after the pieces before it in that row.
         before = np.cumsum(lengths) - lengths
-        row_start = before[firsts]
-        dest = row_of * limit + (before - row_start[row_of])
-        out = np.full(num_rows * limit, self.pad_token_id, dtype=np.int32)
-        total = int(lengths.sum())
-        steps = np.arange(total, dtype=np.int64) - np.repeat(before, lengths)
-        dest_index = np.repeat(dest, lengths) + steps
+        dest = row_of * limit + (before - before[firsts][row_of])
+        src = np.empty(len(lengths), dtype=np.int64)
         for s in np.unique(segs).tolist():
             sel = segs == s
-            column = segments[s].tokens
-            src = column.offsets[src_rows] if sel.all() else None  # type: ignore[union-attr]
-            if src is None:
-                src = np.zeros(len(lengths), dtype=np.int64)
-                src[sel] = column.offsets[src_rows[sel]]  # type: ignore[union-attr]
-            src_start = src + starts
-            picked = np.repeat(sel, lengths)
-            src_index = (np.repeat(src_start, lengths) + steps)[picked]
-            out[dest_index[picked]] = column.values[src_index]  # type: ignore[union-attr]
+            src[sel] = segments[s].tokens.offsets[src_rows[sel]]  # type: ignore[union-attr]
+        src += starts
+        out = np.full(num_rows * limit, self.pad_token_id, dtype=np.int32)
+        # One slice copy per piece: documents are runs of tokens, so this moves
+        # memory in long strides instead of gathering token by token.
+        for s in np.unique(segs).tolist():
+            sel = segs == s
+            values = segments[s].tokens.values  # type: ignore[union-attr]
+            for a, d, n in zip(src[sel].tolist(), dest[sel].tolist(), lengths[sel].tolist()):
+                out[d:d + n] = values[a:a + n]
         fields: dict[str, Any] = {"input_ids": out.reshape(num_rows, limit)}
         if self.emit_positions:
-            positions = np.empty(num_rows * limit, dtype=np.int32)
-            positions[dest_index] = steps
-            grid = np.arange(limit, dtype=np.int64)
-            pad = grid[None, :] >= used[:, None]
-            pad_positions = (grid[None, :] - used[:, None])
-            flat_positions = positions.reshape(num_rows, limit)
-            flat_positions[pad] = pad_positions[pad]
-            fields["positions"] = flat_positions
+            # Each token's distance from the start of its segment (a piece, or the
+            # trailing padding): the running maximum of the segment starts.
+            size = num_rows * limit
+            kind = np.int32 if size < 2**31 else np.int64
+            marks = np.zeros(size, dtype=kind)
+            marks[dest] = dest
+            padded = used < limit
+            pad_starts = np.flatnonzero(padded) * limit + used[padded]
+            marks[pad_starts] = pad_starts
+            np.maximum.accumulate(marks, out=marks)
+            positions = np.arange(size, dtype=kind)
+            positions -= marks
+            fields["positions"] = positions.astype(np.int32, copy=False).reshape(num_rows, limit)
         return {"fields": fields}
 
     # ------------------------------------------------------------------ records
@@ -830,7 +812,7 @@ def _slice_payload(payload: Any, start: int, stop: int, tokens_field: str) -> An
     if not isinstance(payload, dict):
         return tokens[start:stop]
     piece = dict(payload)
-    piece[_token_field(payload, tokens_field)] = tokens[start:stop]
+    piece[find_token_field(payload, tokens_field)] = tokens[start:stop]
     if piece.get(_MASK_FIELD) is not None:
         piece[_MASK_FIELD] = piece[_MASK_FIELD][start:stop]
     return piece

@@ -63,6 +63,7 @@ from zephon_torch.ops.placement import set_placement
 from zephon_torch.ops.transform import _check_record, callable_config
 from zephon_torch.sources.base import Dataset
 from zephon_torch.types import SampleRecord
+from zephon_torch.vocab import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG
 
 __all__ = [
     "BOS_TOKEN_CANDIDATES",
@@ -453,8 +454,8 @@ class Tokenize(_TokenizerOperator):
             reasons: list[str | None] = [None] * n
             details: list[str | None] = [None] * n
             for i, record in rejected.items():
-                reasons[i] = record.meta.tags.get("_tombstone_reason")
-                details[i] = record.meta.tags.get("_tombstone_detail")
+                reasons[i] = record.meta.tags.get(TOMBSTONE_REASON_TAG)
+                details[i] = record.meta.tags.get(TOMBSTONE_DETAIL_TAG)
             result = result.with_tombstones(mask, reasons, details)
         return result
 

@@ -36,12 +36,12 @@ from zephon_torch.sources.emitter import SourceEmitter
 from zephon_torch.sources.schedule import Chunk, WorkSchedule
 from zephon_torch.types import SampleBatch, SampleRecord
 from zephon_torch.vocab import (
-    CONTRIBUTORS_TAG,
     FLUSH_SENTINEL_TAG,
     TOMBSTONE_DETAIL_TAG,
     TOMBSTONE_REASON_TAG,
     TOMBSTONE_TAG,
     close_count,
+    closed_offsets,
     is_error_reason,
 )
 
@@ -915,14 +915,8 @@ class _VerifyingStats(_Stats):
 
     def _close(self, record: SampleRecord) -> None:
         meta = record.meta
-        lane = meta.lane_id
-        tags = meta.tags
-        if not tags or not tags.get(CONTRIBUTORS_TAG):  # a 1:1 record closes its own cursor
-            self._add((lane, meta.chunk_id, meta.chunk_offset))
-            return
-        for ref in tags[CONTRIBUTORS_TAG]:
-            if ref.is_last_child:
-                self._add((lane, ref.cursor.chunk_id, ref.cursor.chunk_offset))
+        for chunk_id, offset in closed_offsets(meta):
+            self._add((meta.lane_id, chunk_id, offset))
 
     def _add(self, key: tuple[int, int, int]) -> None:
         closed = self.closed

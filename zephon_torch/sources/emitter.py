@@ -29,6 +29,7 @@ from zephon_torch.block import Block, Sentinel
 from zephon_torch.sources.base import POINTER, Dataset
 from zephon_torch.sources.schedule import Chunk, ScheduleState, WorkSchedule
 from zephon_torch.types import SampleRecord
+from zephon_torch.vocab import is_empty_text
 
 __all__ = ["SourceEmitter", "flush_sentinel"]
 
@@ -189,11 +190,9 @@ class SourceEmitter:
         else:
             payloads = self._payloads(dataset_ids, shard_ids, local_ids)
         block = Block(chunk.lane_id, ids, payloads=payloads, component=component)
-        # An empty in-memory or streamed document is closed by a tombstone now (the
-        # empty-text rule of zephon_torch.vocab.is_empty_text, inlined: it runs per item).
+        # An empty in-memory or streamed document is closed by a tombstone now.
         empty = [i for i, p in enumerate(payloads)
-                 if type(p) is dict and type(t := p.get("text")) is str
-                 and (not t or t.isspace())]
+                 if type(p) is dict and type(t := p.get("text")) is str and is_empty_text(t)]
         if empty:
             mask = np.zeros(n, dtype=bool)
             mask[empty] = True

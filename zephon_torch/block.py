@@ -689,6 +689,22 @@ class Block:
             extra=lists("extra", None),
         )
 
+    @staticmethod
+    def gather(pool: Sequence[Block], owners: Sequence[int], rows: Sequence[int]) -> Block:
+        """Rows of several blocks of one lane as one block: row ``rows[i]`` of block
+        ``pool[owners[i]]``, in that order (one ``take`` per block involved)."""
+        owner = np.asarray(owners, dtype=np.int64)
+        row = np.asarray(rows, dtype=np.int64)
+        groups = np.unique(owner)
+        if len(groups) == 1:
+            return pool[int(groups[0])].take(row)
+        order = np.argsort(owner, kind="stable")
+        parts = [pool[b].take(row[order[owner[order] == b]]) for b in groups.tolist()]
+        joined = Block.concat(parts)
+        back = np.empty(len(order), dtype=np.int64)
+        back[order] = np.arange(len(order), dtype=np.int64)
+        return joined.take(back)
+
     def split_at(self, cut: int) -> tuple[Block, Block]:
         """``(rows before cut, rows from cut)``."""
         return self.slice(0, cut), self.slice(cut, len(self))

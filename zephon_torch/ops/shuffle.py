@@ -215,20 +215,7 @@ class _BlockReservoir:
 
     def gather(self, owners: Sequence[int], rows: Sequence[int]) -> Block:
         """The rows ``(owners[i], rows[i])`` as one block, in that order."""
-        owner = np.asarray(owners, dtype=np.int64)
-        row = np.asarray(rows, dtype=np.int64)
-        groups = np.unique(owner)
-        if len(groups) == 1:
-            return self.pool[int(groups[0])].take(row)
-        order = np.argsort(owner, kind="stable")
-        parts = []
-        for b in groups.tolist():
-            picked = order[owner[order] == b]
-            parts.append(self.pool[b].take(row[picked]))
-        joined = Block.concat(parts)
-        back = np.empty(len(order), dtype=np.int64)
-        back[order] = np.arange(len(order), dtype=np.int64)
-        return joined.take(back)
+        return Block.gather(self.pool, owners, rows)
 
     def compact(self) -> None:
         """Rewrite the held rows as one block, releasing the blocks they came from."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 import numpy as np
@@ -205,3 +206,69 @@ def test_a_block_batch_trains_exactly_as_its_records() -> None:
                 assert torch.equal(mine[key], theirs[key]), key
             else:
                 assert mine[key] == theirs[key], key
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_to_training_from_columns_equals_the_general_path(data: st.DataObject) -> None:
+    import torch
+
+    rows = data.draw(st.integers(1, 5))
+    width = data.draw(st.integers(2, 12))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    tokens = rng.integers(0, 6, size=(rows, width)).astype(
+        data.draw(st.sampled_from([np.int32, np.int64, np.uint16])))
+    pads = [int(rng.integers(0, width + 1)) for _ in range(rows)]
+    positions = np.zeros((rows, width), dtype=np.int32)
+    for i in range(rows):
+        cuts = sorted(set(rng.integers(1, width, size=2).tolist()) | {0})
+        bounds = [*cuts, width]
+        for a, b in itertools.pairwise(bounds):
+            positions[i, a:b] = np.arange(b - a)
+    ids = np.array([[0, 1, i, 2, i] for i in range(rows)], dtype=np.int64)
+    block = Block(2, ids, fields={"input_ids": tokens, "positions": positions},
+                  counts=[{0: 1}] * rows,
+                  packing=[{"padding_length": p} for p in pads])
+    kwargs = {
+        "return_labels": data.draw(st.booleans()),
+        "dtype": data.draw(st.sampled_from(["auto", np.int64, torch.int32])),
+        "position_mode": data.draw(st.sampled_from(["preserve", "sequence"])),
+        "return_cu_seqlens": data.draw(st.booleans()),
+        "return_padding_mask": data.draw(st.booleans()),
+        "ignore_index": data.draw(st.sampled_from([-100, -1])),
+    }
+    if kwargs["return_labels"]:
+        kwargs["return_num_valid_tokens"] = data.draw(st.booleans())
+        kwargs["return_loss_mask"] = data.draw(st.booleans())
+        if data.draw(st.booleans()):
+            kwargs.update(eos_mask_loss=True, eos_token_id=int(rng.integers(0, 6)))
+    fast = BlockBatch(block).to_training(**kwargs)
+    general = SampleBatch(block.records()).to_training(**kwargs)
+    assert fast.keys() == general.keys()
+    for key in fast:
+        mine, theirs = fast[key], general[key]
+        if isinstance(mine, torch.Tensor):
+            assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), key
+        elif isinstance(mine, np.ndarray):
+            assert mine.dtype == theirs.dtype and np.array_equal(mine, theirs), key
+        else:
+            assert mine == theirs, key
+
+
+def test_a_batch_of_packed_rows_is_read_from_its_columns(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    import zephon_torch._training as training
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the general, per-record path ran")
+
+    monkeypatch.setattr(training, "_Gathered", refuse)
+    tokens = np.arange(24, dtype=np.int32).reshape(3, 8)
+    positions = np.tile(np.arange(8, dtype=np.int32), (3, 1))
+    block = Block(0, np.zeros((3, 5), dtype=np.int64),
+                  fields={"input_ids": tokens, "positions": positions},
+                  component=np.zeros(3, dtype=np.int64),
+                  packing=[{"padding_length": 0}, {"padding_length": 2}, {"padding_length": 8}])
+    out = BlockBatch(block).to_training(return_labels=True, return_cu_seqlens=True)
+    assert out["labels"][1].tolist() == [9, 10, 11, 12, 13, -100, -100]
+    assert out["labels"][2].tolist() == [-100] * 7

@@ -900,6 +900,45 @@ class _Row:
         return self
 
 
+class _Rows(Sequence):
+    """The rows ``to_training`` reads, plus the columns it reads them from when it can.
+
+    As a sequence it gives a :class:`_Row` per row (built on first use: the
+    general path); ``columns`` (the block's fields), ``sample_ids`` and
+    ``padding_lengths`` let the common batch of packed rows be read as whole
+    arrays without them.
+    """
+
+    def __init__(self, block: Block) -> None:
+        self._block = block
+        self._rows: list[_Row] | None = None
+        self.columns = block.fields if block.tomb is None else None
+        self.sample_ids = [tuple(v) for v in block.ids[:, :3].tolist()]
+        packing = block.packing
+        pads = None if packing is None else [
+            None if info is None else info.get("padding_length") for info in packing]
+        self.padding_lengths = (pads if pads is not None and all(type(p) is int for p in pads)
+                                else None)
+
+    def _items(self) -> list[_Row]:
+        if self._rows is None:
+            block = self._block
+            packing = block.packing or [None] * len(block)
+            self._rows = [
+                _Row(sid, payload, {PACKING_METADATA_TAG: info} if info is not None else {})
+                for sid, payload, info in zip(self.sample_ids, block.payload_list(), packing)]
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._items()[index]
+
+    def __iter__(self) -> Any:
+        return iter(self._items())
+
+
 class BlockBatch(SampleBatch):
     """A :class:`~zephon_torch.types.SampleBatch` that is a view over a block of data rows.
 
@@ -942,12 +981,8 @@ class BlockBatch(SampleBatch):
         """The ``sample_id`` of every record (from the ids column)."""
         return tuple(map(tuple, self._block.ids[:, :3].tolist()))
 
-    def _training_rows(self) -> list[_Row]:
-        block = self._block
-        ids = [tuple(v) for v in block.ids[:, :3].tolist()]
-        packing = block.packing or [None] * len(block)
-        return [_Row(sid, payload, {PACKING_METADATA_TAG: info} if info is not None else {})
-                for sid, payload, info in zip(ids, block.payload_list(), packing)]
+    def _training_rows(self) -> _Rows:
+        return _Rows(self._block)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (BlockBatch, (self._block,))

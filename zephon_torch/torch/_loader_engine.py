@@ -41,14 +41,19 @@ Segments are named ``<loader prefix>-<engine pid>-<seq>``, where the loader
 prefix (``shm.new_prefix()`` in the training process) starts with the
 *training* process's pid: they belong to the reader. The reader unlinks
 each segment as soon as it has copied it out; closing the producer sweeps
-whatever is left. An engine that finds its parent gone (a broken pipe)
-sweeps its own segments; if both die by ``SIGKILL``, the next pool or
-loader's ``shm.sweep_stale`` removes them (their owner pid is dead).
+whatever is left. An engine that finds its parent gone (a broken pipe), or
+that ``SIGTERM`` ends, sweeps its own segments: a ``SIGTERM`` sent to the
+whole process group (a scheduler stopping the job) kills a reader that has no
+handler of its own by the default action, which unlinks nothing, so the
+batches in transit would stay. A reader that outlives the signal finds the
+segments gone and raises an error saying that the engine was stopped by
+``SIGTERM``. If both die by ``SIGKILL``, the next pool or loader's
+``shm.sweep_stale`` removes them (their owner pid is dead).
 
 Lifetime of the engine process: ``close()`` resumes it if it was stopped
 (``SIGCONT``), asks it to stop (it closes the iterator, which stops and
 joins its pool workers, and exits), waits, then sends ``SIGTERM`` (turned
-into ``SystemExit`` in the engine so that the same clean-up runs), then
+into ``SystemExit(143)`` in the engine so that the same clean-up runs), then
 ``SIGKILL``. ``SIGINT`` is ignored in the engine: Ctrl-C reaches the whole
 process group, and the training process is the one
 that decides to stop. An engine whose parent dies sees end-of-file on its
@@ -243,7 +248,13 @@ def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: 
     signal.signal(signal.SIGTERM, _on_sigterm)
     own = f"{prefix}-{os.getpid()}"
     writer = shm.Writer(directory, own, _INLINE_LIMIT)
-    orphaned = False  # nobody will read our segments any more
+    # Nobody will read our segments any more: the training process is gone (a broken
+    # pipe), or SIGTERM ended us. A SIGTERM sent to the whole process group (schedulers,
+    # torchrun) may well have killed the reader by its default action, which unlinks
+    # nothing; and when the loader itself sent it, it is closing and sweeps after us.
+    # So the batches in transit go with us; a reader that outlived the signal is told
+    # that the engine ended (see EngineProcess._read).
+    sweep = False
     events: Any = None
     try:
         message = _recv(control)
@@ -273,16 +284,19 @@ def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: 
                 raise
             credits -= 1
     except _Orphaned:
-        orphaned = True
+        sweep = True
     except SystemExit:
-        pass  # SIGTERM from the loader: clean up below and exit
+        # SIGTERM (from the loader, or to the whole group): clean up below, then exit
+        # with 128 + SIGTERM, so that a reader still alive can say what ended us.
+        sweep = True
+        raise
     except BaseException as exc:
         with contextlib.suppress(OSError):
             data.send_bytes(_error_reply(exc))
     finally:
         if events is not None:
             events.close()  # closes the pipeline iterator: joins its workers, frees its segments
-        if orphaned:
+        if sweep:
             shm.sweep_prefix(directory, f"{own}-")
 
 
@@ -378,18 +392,19 @@ class EngineProcess:
                 except (EOFError, OSError):
                     if self._closing:
                         return
-                    self._process.join(timeout=1.0)
-                    raise RuntimeError(
-                        f"the zephon loader's engine process (pid {self._process.pid}) "
-                        f"{describe_exit(self._process.exitcode)} before the end of the "
-                        "data; see its stderr. A training script that starts work at import "
-                        "time needs `if __name__ == \"__main__\":` (the engine is spawned "
-                        "and re-imports it), and a signal may mean the out-of-memory killer"
-                    ) from None
+                    raise self._died() from None
                 kind = message[0]
                 if kind == "batch":
                     _, ref, state = message
-                    yield ("batch", _decode(self._read(ref)), state)
+                    try:
+                        payload = self._read(ref)
+                    except FileNotFoundError:
+                        # Its segment is gone: only an engine that ends (SIGTERM) sweeps
+                        # the batches it had sent.
+                        if self._closing:
+                            return
+                        raise self._died(missing=ref.name) from None
+                    yield ("batch", _decode(payload), state)
                 elif kind == "end":
                     yield message
                     return
@@ -400,6 +415,37 @@ class EngineProcess:
             # blocked recv from another thread could hand its fd number to a new file.
             with contextlib.suppress(OSError):
                 data.close()
+
+    def _died(self, missing: str | None = None) -> RuntimeError:
+        """The error for an engine that ended before the end of the data.
+
+        Args:
+            missing: The segment of a batch that was not there to read, if that
+                is how the end showed.
+        """
+        process = self._process
+        process.join(timeout=_TERM_TIMEOUT)
+        code = process.exitcode
+        if code is None and missing is not None:
+            return RuntimeError(
+                f"the shared-memory segment {os.path.join(self._directory, missing)} of a "
+                f"batch from the zephon loader's engine process (pid {process.pid}) was "
+                "removed before it was read, while the engine still runs: something deletes "
+                f"files in {self._directory} (systemd-logind's RemoveIPC=yes for a user who "
+                "logs out, a clean-up job). Stop that, or set ZEPHON_SHM_DIR to a directory "
+                "of your own"
+            )
+        how = describe_exit(code)
+        if code == 128 + signal.SIGTERM:  # its SIGTERM handler's SystemExit
+            how = f"was stopped by SIGTERM (exit code {code})"
+        return RuntimeError(
+            f"the zephon loader's engine process (pid {process.pid}) {how} before the end "
+            "of the data; see its stderr. A training script that starts work at import "
+            "time needs `if __name__ == \"__main__\":` (the engine is spawned and "
+            "re-imports it), a SIGKILL may mean the out-of-memory killer, and a SIGTERM "
+            "sent to the whole process group (a scheduler stopping the job) reaches the "
+            "engine too"
+        )
 
     def _read(self, ref: shm.BlockRef) -> Any:
         """The batch of a block; its segment is unlinked at once and a credit sent."""

@@ -215,6 +215,8 @@ def _from_columns(
         return None  # the general path names the record
     work = fmt.work_dtype
     texts = columns.get("text")
+    if texts is not None and not all(t is None or isinstance(t, str) for t in texts):
+        return None  # the general path names the record
     out: dict[str, Any] = {
         "ids": rows.sample_ids,
         "texts": [""] * count if texts is None else ["" if t is None else t for t in texts],

@@ -872,8 +872,12 @@ class _PackOperator(Operator):
         return block
 
     def traits(self) -> OpTraits:
-        """Packing reorders (rows close out of cursor order) and fans out (split pieces)."""
-        return OpTraits(preserves_cursor_order=False, fan_out=True)
+        """Packing reorders (rows close out of cursor order) and fans out (split pieces).
+
+        Its accumulator places and assembles the rows, so ``process_many`` has
+        nothing left to do and runs on the driver thread (``inline``).
+        """
+        return OpTraits(preserves_cursor_order=False, fan_out=True, inline=True)
 
     def config(self) -> dict[str, Any]:
         """Every parameter that shapes the output (``bfd_window`` only where it does)."""

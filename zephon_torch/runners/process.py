@@ -18,10 +18,9 @@ identity, offset and value arrays, not as a pickle per record::
                                   map it, unlink it
                                   future.set_result(unit)
 
-The main process maps each result segment copy-on-write and unlinks it at
-once: the arrays of the unit are views of that mapping, read only where a
-stage needs them. Segments and ``pwrite`` make this runner POSIX-only (Linux,
-macOS).
+The main process reads each result segment once into memory of its own and
+unlinks it at once (``shm.py`` says why it copies). Segments and ``pwrite``
+make this runner POSIX-only (Linux, macOS).
 
 **Start-up.** Workers are started with the ``spawn`` method (``forkserver``
 on request), never a bare ``fork`` of a process whose threads (tokenizers,

@@ -47,7 +47,6 @@ which owners are gone.
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import mmap
 import os
@@ -55,7 +54,6 @@ import pickle
 import tempfile
 import uuid
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,15 +209,8 @@ class Writer:
         self._seq = itertools.count()
         self._warned = False
 
-    def dump(self, payloads: list[Any],
-             persistent_id: Callable[[Any], Any] | None = None) -> BlockRef:
-        """Pickle ``payloads`` in one call and write them out (see the module doc).
-
-        ``persistent_id``, if given, is the pickler's hook: an object for
-        which it returns something other than None is stored as that
-        reference (the reader's ``persistent_load`` turns it back), which is
-        how handles nested inside a payload travel without their data.
-        """
+    def dump(self, payloads: list[Any]) -> BlockRef:
+        """Pickle ``payloads`` in one call and write them out (see the module doc)."""
         views: list[memoryview] = []
 
         # The callback returning None keeps each buffer out of band; numpy only
@@ -227,14 +218,7 @@ class Writer:
         def keep(buf: pickle.PickleBuffer) -> None:
             views.append(buf.raw())
 
-        if persistent_id is None:
-            stream = pickle.dumps(payloads, protocol=5, buffer_callback=keep)
-        else:
-            out = io.BytesIO()
-            pickler = pickle.Pickler(out, protocol=5, buffer_callback=keep)
-            pickler.persistent_id = persistent_id  # type: ignore[method-assign]
-            pickler.dump(payloads)
-            stream = out.getvalue()
+        stream = pickle.dumps(payloads, protocol=5, buffer_callback=keep)
         layout = []
         end = len(stream)
         for view in views:
@@ -295,48 +279,35 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def load(ref: BlockRef, directory: str, *, copy: bool,
-         persistent_load: Callable[[Any], Any] | None = None) -> list[Any]:
-    """The payloads of a block.
+def load(ref: BlockRef, directory: str, *, copy: bool) -> list[Any]:
+    """The objects of a ref.
 
     Args:
-        ref: The block.
+        ref: What :meth:`Writer.dump` returned.
         directory: Where its segment lives.
         copy: True: every buffer is copied once into memory of its own (the
             main process). False: the segment is mapped copy-on-write and
             arrays are views into it (workers). See the module doc.
-        persistent_load: Turns the references that the writer's
-            ``persistent_id`` stored back into objects.
 
     Raises:
         FileNotFoundError: The segment is gone.
     """
     if ref.data is not None:
-        # Inline blocks are small: copying keeps arrays writable, as from a segment.
+        # Inline bytes are small: copying keeps arrays writable, as from a segment.
         data = memoryview(ref.data)
         buffers: list[Any] = [bytearray(data[o:o + n]) for o, n in ref.buffers]
-        return _unpickle(data[:ref.stream], buffers, persistent_load)
+        return pickle.loads(data[:ref.stream], buffers=buffers)
     path = os.path.join(directory, ref.name or "")
     if copy:
         with open(path, "rb", buffering=0) as file:
             stream = _read_at(file, 0, ref.stream)
             buffers = [_read_at(file, o, n) for o, n in ref.buffers]
-        return _unpickle(stream, buffers, persistent_load)
+        return pickle.loads(stream, buffers=buffers)
     with open(path, "rb") as file:
         mapping = mmap.mmap(file.fileno(), ref.size, access=mmap.ACCESS_COPY)
     # The arrays keep views of the mapping; it is unmapped when the last one dies.
     view = memoryview(mapping)
-    return _unpickle(view[:ref.stream], [view[o:o + n] for o, n in ref.buffers],
-                     persistent_load)
-
-
-def _unpickle(stream: Any, buffers: list[Any],
-              persistent_load: Callable[[Any], Any] | None) -> list[Any]:
-    if persistent_load is None:
-        return pickle.loads(stream, buffers=buffers)
-    unpickler = pickle.Unpickler(io.BytesIO(stream), buffers=buffers)
-    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-    return unpickler.load()
+    return pickle.loads(view[:ref.stream], buffers=[view[o:o + n] for o, n in ref.buffers])
 
 
 def unlink_ref(ref: BlockRef | None, directory: str) -> None:

@@ -54,6 +54,7 @@ __all__ = [
     "TOMBSTONE_TAG",
     "close_count",
     "closed_offsets",
+    "empty_text_rows",
     "find_token_field",
     "is_control",
     "is_empty_text",
@@ -149,6 +150,13 @@ def is_empty_text(text: Any) -> bool:
     if isinstance(text, str):
         return not text or text.isspace()
     return isinstance(text, (list, tuple, dict)) and not text
+
+
+def empty_text_rows(payloads: list[Any]) -> list[int]:
+    """The positions of dict payloads whose ``"text"`` is an empty or all-whitespace
+    string (:func:`is_empty_text` for the sources' in-memory items, in one sweep)."""
+    return [i for i, p in enumerate(payloads)
+            if type(p) is dict and type(t := p.get("text")) is str and (not t or t.isspace())]
 
 
 def find_token_field(payload: Any, tokens_field: str) -> str | None:

@@ -45,6 +45,8 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import is_not
 from types import CodeType
 from typing import Any
 
@@ -220,7 +222,7 @@ class MapTransform(Operator):
             new = [p if dead else fn(p) for p, dead in zip(payloads, block.tomb.tolist())]
         out = block.with_payloads(new)
         # (Not ``None in new``: that compares with ==, which an array payload refuses.)
-        if self.drop_none and any(p is None for p in new):
+        if self.drop_none and not all(map(is_not, new, repeat(None))):
             none = np.fromiter((p is None for p in new), dtype=bool, count=len(new))
             if block.tomb is not None:
                 none &= ~block.tomb

@@ -29,7 +29,7 @@ from zephon_torch.block import Block, Sentinel
 from zephon_torch.sources.base import POINTER, Dataset
 from zephon_torch.sources.schedule import Chunk, ScheduleState, WorkSchedule
 from zephon_torch.types import SampleRecord
-from zephon_torch.vocab import is_empty_text
+from zephon_torch.vocab import empty_text_rows
 
 __all__ = ["SourceEmitter", "flush_sentinel"]
 
@@ -191,8 +191,7 @@ class SourceEmitter:
             payloads = self._payloads(dataset_ids, shard_ids, local_ids)
         block = Block(chunk.lane_id, ids, payloads=payloads, component=component)
         # An empty in-memory or streamed document is closed by a tombstone now.
-        empty = [i for i, p in enumerate(payloads)
-                 if type(p) is dict and type(t := p.get("text")) is str and is_empty_text(t)]
+        empty = empty_text_rows(payloads)
         if empty:
             mask = np.zeros(n, dtype=bool)
             mask[empty] = True

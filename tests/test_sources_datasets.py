@@ -378,8 +378,10 @@ def test_parquet_reads_only_the_row_groups_it_needs_and_keeps_the_last_one(tmp_p
     assert ds.calls == [(0, 1)]
     ds.read(0, [7, 4])  # same row group: served from the cache
     assert ds.calls == [(0, 1)]
-    ds.read(0, [11, 1, 10])
-    assert ds.calls == [(0, 1), (0, 0), (0, 2)]
+    ds.read(0, [11, 1, 10])  # in order of first use: the group read last is kept
+    assert ds.calls == [(0, 1), (0, 2), (0, 0)]
+    ds.read(0, [3, 0])  # the next call goes on where the last one ended: no decode
+    assert ds.calls == [(0, 1), (0, 2), (0, 0)]
 
 
 def test_parquet_columns_select_and_missing_column_is_an_error(tmp_path):

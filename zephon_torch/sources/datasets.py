@@ -46,7 +46,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from zephon_torch.sources.base import Dataset, Shard
+from zephon_torch.sources.base import Dataset, Shard, count_read
 from zephon_torch.sources.index_cache import (
     default_cache_dir,
     index_key,
@@ -270,6 +270,23 @@ def _compression_of(path: str) -> str | None:
     return None
 
 
+class _BlockBytes:
+    """A read block of a JSONL file in memory, read by ``(offset, size)`` like the file."""
+
+    __slots__ = ("block", "data", "lo", "path")
+
+    def __init__(self, path: str, block: int, lo: int, data: bytes) -> None:
+        self.path = path
+        self.block = block
+        self.lo = lo
+        self.data = data
+
+    def read_at(self, offset: int, size: int) -> bytes:
+        """``size`` bytes from file offset ``offset`` (inside the block)."""
+        start = offset - self.lo
+        return self.data[start:start + size]
+
+
 class JsonlDataset(_FileDataset):
     """JSON Lines files: one sample per non-blank line.
 
@@ -301,6 +318,11 @@ class JsonlDataset(_FileDataset):
     raw_format = "json"
     #: Memory-mapped indexes kept open per process.
     loaded_index_cache_size: ClassVar[int] = 64
+    #: Bytes per read block of a plain file: a block ends before the first line
+    #: that starts at or after a multiple of it (see :meth:`blocks`).
+    block_bytes: ClassVar[int] = 1 << 20
+    #: Shards whose last read block is kept, per process.
+    block_cache_size: ClassVar[int] = 4
 
     def __init__(self, paths: str | Sequence[str], *, component_id: int = 0,
                  name: str | None = None, passes: int | None = None,
@@ -316,6 +338,8 @@ class JsonlDataset(_FileDataset):
         self._pinned: dict[int, np.ndarray] = {}
         self._loaded = LRUCache(self.loaded_index_cache_size)
         self._handles = HandlePool(8)
+        self._block_starts: dict[int, np.ndarray] = {}
+        self._last_block = LRUCache(self.block_cache_size)
         for shard_id, (path, shard_name) in enumerate(zip(files, _shard_names(files))):
             compression = _compression_of(path)
             if compression == "zstd":
@@ -406,13 +430,59 @@ class JsonlDataset(_FileDataset):
                              "order with stream(); its shard has access 'stream'")
         if not ids.size:
             return []
-        index = self._index(shard_id)
-        unique, inverse = np.unique(ids, return_inverse=True)
+        offsets = self._index(shard_id)[:, 0]
+        starts = self.blocks(shard_id)
+        in_block = np.searchsorted(starts, ids, side="right") - 1
+        used, first = np.unique(in_block, return_index=True)
+        out: list[Any] = [None] * ids.size
+        # Blocks in order of first use: the one read last, kept, is where the next
+        # call goes on (a shuffled pass visits a block's lines in consecutive calls).
+        for block in used[np.argsort(first)].tolist():
+            where = np.flatnonzero(in_block == block)
+            unique, inverse = np.unique(ids[where], return_inverse=True)
+            lines = read_lines_at(self._block(shard_id, block, offsets, starts), offsets,
+                                  file.stat.size, unique)
+            for position, k in zip(where.tolist(), inverse.reshape(-1).tolist()):
+                out[position] = lines[k]
+        return out
+
+    def _block(self, shard_id: int, block: int, offsets: np.ndarray,
+               starts: np.ndarray) -> _BlockBytes:
+        """The bytes of one read block (block 0 from the file's first byte), read once
+        and kept until the shard's next block is read."""
+        cached = self._last_block.get(shard_id)
+        if cached is not None and cached.block == block:
+            return cached
+        file = self._files[shard_id]
+        lo = 0 if block == 0 else int(offsets[starts[block]])
+        hi = (int(offsets[starts[block + 1]]) if block + 1 < len(starts)
+              else file.stat.size)
         handle = self._handles.get(shard_id, lambda: self._open(shard_id))
-        lines = read_lines_at(handle, index[:, 0], file.stat.size, unique)
-        if unique.size == ids.size and np.array_equal(unique, ids):
-            return lines
-        return [lines[k] for k in inverse.reshape(-1).tolist()]
+        data = handle.read_at(lo, hi - lo)
+        if len(data) < hi - lo:
+            raise ValueError(f"{file.path!r} is shorter than its line index says; the file "
+                             "changed while the pipeline ran, restart it to re-index")
+        view = _BlockBytes(file.path, block, lo, data)
+        self._last_block.put(shard_id, view)
+        return view
+
+    def blocks(self, shard_id: int) -> np.ndarray:
+        """Read blocks of about :attr:`block_bytes` bytes of lines (one for a compressed
+        file, which is read front to back, or a file of at most that size)."""
+        n = self._shards[shard_id].num_samples
+        file = self._files[shard_id]
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        if file.compression is not None or file.stat.size <= self.block_bytes:
+            return np.zeros(1, dtype=np.int64)
+        starts = self._block_starts.get(shard_id)
+        if starts is None:
+            offsets = self._index(shard_id)[:, 0]
+            marks = np.arange(0, file.stat.size, self.block_bytes, dtype=np.int64)
+            starts = np.unique(np.searchsorted(offsets, marks, side="left")).astype(np.int64)
+            starts = starts[starts < n]
+            self._block_starts[shard_id] = starts
+        return starts
 
     def stream(self, shard_id: int) -> Iterator[bytes]:
         """The shard's lines in file order (the only way to read a compressed shard).
@@ -657,7 +727,9 @@ class ParquetDataset(_FileDataset):
         """Decode one row group of a shard (a ``pyarrow.Table`` of ``columns``)."""
         path = self._paths[shard_id]
         handle = self._handles.get(shard_id, lambda: _ParquetHandle(path))
-        return handle.file.read_row_group(row_group, columns=self.columns)
+        table = handle.file.read_row_group(row_group, columns=self.columns)
+        count_read(int(self._group_bytes[shard_id][row_group]))
+        return table
 
     def _row_group(self, shard_id: int, row_group: int) -> Any:
         cached = self._groups.get(shard_id)
@@ -678,7 +750,11 @@ class ParquetDataset(_FileDataset):
         if first == int(groups[-1]) and bool((groups == first).all()):  # one row group
             return _table_rows(self._row_group(shard_id, first), ids - bounds[first])
         out: list[Any] = [None] * ids.size
-        for group in np.unique(groups).tolist():  # ascending: each group read once
+        used, first = np.unique(groups, return_index=True)
+        # Each group read once, in order of first use: the one read last, kept, is
+        # where the next call goes on (a shuffled pass visits a row group's rows in
+        # consecutive calls).
+        for group in used[np.argsort(first)].tolist():
             where = np.flatnonzero(groups == group)
             rows = _table_rows(self._row_group(shard_id, group), ids[where] - bounds[group])
             for position, row in zip(where.tolist(), rows):
@@ -698,6 +774,12 @@ class ParquetDataset(_FileDataset):
             rows = ids[groups == group] - bounds[group]
             total += _even_share(int(sizes[group]), int(bounds[group + 1] - bounds[group]), rows)
         return total
+
+    def blocks(self, shard_id: int) -> np.ndarray:
+        """The row groups (those holding rows): a decoded group is the unit of reading."""
+        bounds = self._bounds[shard_id]
+        starts = np.unique(bounds[:-1])
+        return starts[starts < bounds[-1]]
 
     def locate(self, shard_id: int, local_id: int) -> str:
         """``"x.parquet row 12"`` (the 0-based row in the file)."""
@@ -754,6 +836,7 @@ class TextFilesDataset(_FileDataset):
             return []
         with open_binary(self._paths[shard_id]) as fh:
             data = fh.read()
+        count_read(len(data))
         return [data] * ids.size
 
     def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:

@@ -26,6 +26,10 @@ window of nearby requested lines and cuts the lines out of it: one system
 call for a run of neighbours, no per-file seek state, so threads may share a
 handle.
 
+**Bytes read.** :meth:`RandomAccessFile.read_at` and :func:`iter_raw_blocks`
+report every byte they read with
+:func:`~zephon_torch.sources.base.count_read` (``stats()["bytes_read"]``).
+
 **Compressed streams.** ``.gz`` and ``.zst`` cannot be entered in the
 middle; :func:`iter_decompressed` yields decompressed blocks and, unlike the
 standard library's readers, notices a stream that stops before its end
@@ -48,6 +52,8 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
+
+from zephon_torch.sources.base import count_read
 
 __all__ = [
     "BLOCK_SIZE",
@@ -242,7 +248,9 @@ class RandomAccessFile:
             parts.append(data)
             offset += len(data)
             size -= len(data)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        count_read(len(data))
+        return data
 
     def close(self) -> None:
         """Release the file."""
@@ -365,6 +373,7 @@ def iter_raw_blocks(file: BinaryIO, block_size: int = BLOCK_SIZE) -> Iterator[by
         block = file.read(block_size)
         if not block:
             return
+        count_read(len(block))
         yield block
 
 

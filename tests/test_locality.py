@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import tracemalloc
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -281,6 +282,29 @@ def test_bytes_read_gathers_the_reads_of_worker_processes(many_groups: list[str]
     stats = it.stats()
     # One worker, row groups in file order, one micro-batch per group: each read once.
     assert stats["bytes_read"] == stats["sample_bytes"] == total
+
+
+def test_threads_wanting_the_same_row_group_wait_for_one_decode(many_groups: list[str]) -> None:
+    class Slow(CountingParquet):
+        def _read_row_group(self, shard_id: int, row_group: int) -> Any:
+            time.sleep(0.2)  # a long decode: the other threads arrive meanwhile
+            return super()._read_row_group(shard_id, row_group)
+
+    ds = Slow(many_groups[:1])
+    start = threading.Barrier(4)
+    results: list[Any] = []
+
+    def read(ids: list[int]) -> None:
+        start.wait()
+        results.append(ds.read(0, ids))
+
+    threads = [threading.Thread(target=read, args=([k, k + 10],)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4
+    assert ds.decodes == {(0, 0): 1}
 
 
 class CountingFile(RandomAccessFile):

@@ -59,6 +59,7 @@ __all__ = [
     "BLOCK_SIZE",
     "FileStat",
     "HandlePool",
+    "KeyedLocks",
     "LRUCache",
     "LineScanner",
     "RandomAccessFile",
@@ -358,6 +359,33 @@ class LRUCache:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["capacity"])
+
+
+class KeyedLocks:
+    """One lock per key, made on demand; pickles empty (a lock belongs to its process).
+
+    A reader holds the lock of a shard while it decodes something of it that it
+    then caches, so that threads needing the same row group wait for one decode
+    instead of each making its own.
+    """
+
+    def __init__(self) -> None:
+        self._locks: dict[Any, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def __call__(self, key: Any) -> threading.Lock:
+        """The lock of ``key``."""
+        with self._guard:
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.Lock()
+            return lock
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
 
 
 # ---------------------------------------------------------------- streams

@@ -692,7 +692,8 @@ OVERHEAD_CONTENDERS = ("generator", "torchdata.nodes", "grain", "zephon-inline")
 
 PADDING_CONTENDERS = ("handwritten-first_fit", "handwritten-best_fit", "grain-first_fit",
                       "grain-best_fit", "zephon-first_fit", "zephon-best_fit", "zephon-wrap",
-                      "zephon-first_fit-noflush", "zephon-best_fit-noflush")
+                      "zephon-best_fit_decreasing", "zephon-first_fit-noflush",
+                      "zephon-best_fit-noflush")
 
 
 def padding(name: str, files: list[str]) -> Any:

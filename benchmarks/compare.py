@@ -13,7 +13,8 @@ Jobs (``--jobs``, default all):
 * ``overhead``: records/s through 5 identity map stages over 1,000,000 small
   records (a generator chain, torchdata.nodes, Grain, zephon inline);
 * ``padding``: padding % of first-fit and best-fit packers (8 bins) over the
-  token stream in order: hand-written, Grain, zephon ``pack_flat``;
+  token stream in order: hand-written, Grain, zephon ``pack_flat`` (and its
+  ``best_fit_decreasing``, windows of 4,096 documents);
 * ``lengths``: token-job throughput for three document length distributions;
 * ``memory``: peak memory of the text and token jobs on a corpus 10x smaller
   than ``--mb`` (1x) against the main tables (10x).
@@ -462,6 +463,10 @@ class Runner:
                      f"{_verdict(pad['zephon-first_fit'], pad['handwritten-first_fit'], False)})"
                      f"; zephon best_fit {pad['zephon-best_fit']:.2f}% (target < first_fit: "
                      f"{_verdict(pad['zephon-best_fit'], pad['zephon-first_fit'] - 1e-9, False)})")
+        if "zephon-best_fit_decreasing" in pad:
+            bfd = pad["zephon-best_fit_decreasing"]
+            lines.append(f"- zephon best_fit_decreasing {bfd:.3f}% with the default flush "
+                         f"interval (target <= 0.15%: {_verdict(bfd, 0.15, False)})")
         if "zephon-first_fit-noflush" in pad:
             nf, nb = pad["zephon-first_fit-noflush"], pad["zephon-best_fit-noflush"]
             lines.append(f"- without flush sentinels (flush_every_k_chunks=10**9): zephon "

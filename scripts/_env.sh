@@ -9,7 +9,10 @@ PY="$VENV/bin/python"
 # ZEPHON_TORCH_SPEC (e.g. "torch" to take whatever your index serves).
 TORCH_SPEC="${ZEPHON_TORCH_SPEC:-torch==2.13.0}"
 STAMP="$VENV/.zephon-installed"
-WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_env.sh" | sha256sum | cut -c1-16) $TORCH_SPEC"
+# What the install depends on: its configuration, the C sources of the optional
+# placement kernel (built in place by the editable install) and this script.
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/zephon_torch/_native/*.c \
+    "$ROOT/scripts/_env.sh" | sha256sum | cut -c1-16) $TORCH_SPEC"
 if [ ! -x "$PY" ]; then
     echo "[zephon] creating virtual environment in .venv" >&2
     python3 -m venv "$VENV"

@@ -57,6 +57,15 @@ BAD_LINES = {
     "invalid_utf8": (b'{"text": "caf\xe9 \xff"}', r"invalid UTF-8"),
     "missing_field": (b'{"body": "no text here"}', r"no 'text' field \(keys: 'body'\)"),
     "non_string_text": (b'{"text": 12345}', r"field 'text' is a int, not a string"),
+    # Valid JSON that no tokenizer can encode: half of an emoji, as web scrapes leave it.
+    "lone_surrogate": (b'{"text": "emoji \\ud83d cut"}',
+                       r"lone UTF-16 surrogate \\ud83d \(character 6\) in field 'text' "
+                       r"\(not valid Unicode"),
+    # Valid JSON that Python refuses to load.
+    "huge_integer": (b'{"text": "fine", "n": ' + b"7" * 5000 + b"}",
+                     r"JSON that Python refuses to load \(ValueError: Exceeds the limit"),
+    "deep_nesting": (b'{"text": "fine", "n": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                     r"JSON nested too deeply for Python to load"),
 }
 
 
@@ -312,6 +321,86 @@ def test_tokenize_missing_or_non_string_field(tmp_path: Path, tokenizer: Any) ->
     assert stats["lanes"][0]["tombstoned"] == {"tokenize_error": 2}
     assert len(warned) == 1 and "tokenize_error: 2" in warned[0]
     assert "items[1]" in warned[0] and "is a list, not a str" in warned[0]
+
+
+LONE_SURROGATE_ITEMS = ["fine one", "emoji \ud83d cut", "fine two", {"text": "x \udc00 y"},
+                        "fine three", "fine four", "fine five"]
+
+
+def test_a_text_tokenize_cannot_encode_is_located_not_an_anonymous_crash(tokenizer: Any) -> None:
+    # from_items has no decode_text: tokenize itself must find the sample.
+    pipe = Pipeline.from_items(LONE_SURROGATE_ITEMS, num_lanes=1, shuffle=False)
+    with pytest.raises(ValueError) as info:
+        run(pipe.tokenize(tokenizer))
+    message = str(info.value)
+    assert message.startswith("tokenize: sample (0, 0, 1) field 'text' holds a lone UTF-16 "
+                              "surrogate \\ud83d (character 6)"), message
+    assert ", at items[1]; fix the data, or pass tokenize(..., on_error='skip')" in message
+
+
+@pytest.mark.parametrize("microbatch", [None, 1, 2, 5])
+def test_texts_tokenize_cannot_encode_are_skipped_alone_whatever_the_microbatch_size(
+        tokenizer: Any, microbatch: int | None) -> None:
+    pipe = (Pipeline.from_items(LONE_SURROGATE_ITEMS, num_lanes=2, chunk_size=2, seed=1)
+            .tokenize(tokenizer, on_error="skip"))
+    sizes = None if microbatch is None else {"tokenize": microbatch}
+    out, stats, warned = run(pipe, microbatch_sizes=sizes)
+    assert sorted(r.payload["text"] for r in out) == sorted(
+        t for t in LONE_SURROGATE_ITEMS if isinstance(t, str) and t.startswith("fine"))
+    for r in out:  # the neighbours of a bad text are tokenized as if alone
+        expected = tokenizer.encode(r.payload["text"], add_special_tokens=False).ids
+        assert r.payload["input_ids"][1:-1].tolist() == expected
+    assert sum(c["tombstoned"].get("tokenize_error", 0) for c in stats["lanes"].values()) == 2
+    assert sorted(b["sample_id"] for b in stats["bad_samples"]) == [(0, 0, 1), (0, 0, 3)]
+    assert len(warned) == 1 and "items[1]" in warned[0] and "items[3]" in warned[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        # The reference is inline with the default sizes.
+        assert_deterministic(pipe, matrix(workers=(2,), microbatch_sizes=(sizes,)))
+
+
+def test_a_chat_message_tokenize_chat_cannot_encode_is_located_or_skipped(tokenizer: Any) -> None:
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    bad = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo \ud83d"}]
+    items = [{"messages": good}, {"messages": bad}, {"messages": good}]
+    pipe = Pipeline.from_items(items, num_lanes=1, shuffle=False, on_error="skip")
+    with pytest.raises(ValueError) as info:
+        run(pipe.tokenize_chat(tokenizer))
+    message = str(info.value)
+    assert message.startswith("tokenize_chat: sample (0, 0, 1): the content of message 1 "
+                              "(assistant) holds a lone UTF-16 surrogate \\ud83d"), message
+    assert ", at items[1]; fix the data, or pass tokenize_chat(..., on_error='skip')" in message
+    assert "the source's on_error='skip' covers only fetch and decode_text" in message
+    out, stats, _ = run(pipe.tokenize_chat(tokenizer, on_error="skip"))
+    assert len(out) == 2 and stats["lanes"][0]["tombstoned"] == {"tokenize_chat_error": 1}
+    assert out[0].payload["input_ids"].tolist() == out[1].payload["input_ids"].tolist()
+
+
+@pytest.mark.parametrize("value", [None, 7])
+@pytest.mark.parametrize("source_on_error", ["raise", "skip"])
+def test_a_null_or_integer_parquet_text_names_file_row_and_the_operator_to_skip(
+        tmp_path: Path, tokenizer: Any, value: Any, source_on_error: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if value is None:
+        column, bad_row = pa.array([None if i == 4 else f"row {i}" for i in range(6)]), 4
+    else:  # a Parquet column has one type: the whole column holds integers
+        column, bad_row = pa.array([value] * 6), 0
+    path = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"id": list(range(6)), "text": column}), path)
+    pipe = (Pipeline.from_parquet(str(path), num_lanes=1, shuffle=False,
+                                  on_error=source_on_error)
+            .fetch().decode_text().tokenize(tokenizer))
+    with pytest.raises(ValueError) as info:
+        run(pipe)
+    message = str(info.value)
+    assert message.startswith(f"tokenize: sample (0, 0, {bad_row}) field 'text' is a "
+                              f"{type(value).__name__}, not a str, at {path} row {bad_row}; "
+                              "fix the data, set field=..., or pass tokenize(..., "
+                              "on_error='skip') to drop such samples"), message
+    covers = "the source's on_error='skip' covers only fetch and decode_text, not tokenize"
+    assert (covers in message) == (source_on_error == "skip")
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"", b"\xff\xfe\x00garbage", b"TRUNCATE"])

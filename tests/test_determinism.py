@@ -70,6 +70,10 @@ PIPELINES: dict[str, Callable[[Path, Any], Pipeline]] = {
                                                                   algorithm="best_fit"),
     "pack_flat_wrap": lambda c, t: tokenized(c, t).pack_flat(64, algorithm="wrap"),
     "pack_sequences": lambda c, t: tokenized(c, t).pack_sequences(96, num_bins=3),
+    "pack_flat_best_fit_decreasing": lambda c, t: tokenized(c, t).pack_flat(
+        64, algorithm="best_fit_decreasing", bfd_window=12),
+    "pack_sequences_best_fit_decreasing": lambda c, t: tokenized(c, t).pack_sequences(
+        96, algorithm="best_fit_decreasing", bfd_window=7),
     "ensure_mixture": lambda c, t: mixture(c, t).ensure_mixture(max_buffer_size=16),
     "shuffle_streaming": lambda c, t: tokenized(c, t).shuffle(24, seed=3),
     "shuffle_block": lambda c, t: tokenized(c, t).shuffle(24, seed=3, algorithm="block"),

@@ -9,6 +9,7 @@ conftest checks every module the same way at its end.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -358,3 +359,153 @@ def test_ctrl_c_stops_the_whole_process_group_cleanly(tmp_path: Path, consumer: 
     assert _alive(tree) == set()
     owners = {f"{shm.SEGMENT_PREFIX}{pid}-" for pid in {proc.pid, *tree}}
     assert [n for n in _segments() if n.startswith(tuple(owners))] == [], before
+
+
+# ---------------------------------------------------------------- SIGTERM
+
+_TERMINATED = textwrap.dedent("""
+    import signal, sys, time
+    import numpy as np
+    from zephon_torch.pipeline import Pipeline
+
+    def slow(payload):
+        time.sleep(0.002)
+        # 8 KiB per record: every micro-batch and every batch of the loader travels
+        # through a shared-memory segment
+        return {"ids": np.full(1024, len(payload["text"]), np.int64)}
+
+    if __name__ == "__main__":
+        consumer, previous = sys.argv[1], sys.argv[2]
+        asked = []
+        if previous == "raises":  # a trainer's handler that stops at once
+            def on_term(signum, frame):
+                print("previous handler", flush=True)
+                raise SystemExit(3)
+            signal.signal(signal.SIGTERM, on_term)
+        elif previous == "flag":  # a trainer's handler that stops after the step (Lightning)
+            signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
+        # The shuffle buffer holds payload handles, so segments stay alive while it fills.
+        pipe = (Pipeline.from_items([f"doc {i} " * 9 for i in range(10**6)], num_lanes=4,
+                                    chunk_size=8)
+                .map_transform(slow).shuffle(64, seed=1).batch(4))
+        if consumer == "loader":
+            from zephon_torch import DataLoader
+            source = DataLoader(pipe, num_workers=2, to_training=False)
+        else:
+            source = pipe.iter(runner="process", num_workers=2)
+        after = 0
+        for k, _ in enumerate(source):
+            if k == 5:
+                print("running", flush=True)
+            # A training step: the loader's engine has batches in transit meanwhile.
+            time.sleep(0.01)
+            if asked:
+                after += 1
+                if after == 20:  # the pool kept working after the signal
+                    source.close()
+                    print("stopped gracefully", flush=True)
+                    break
+""")
+
+
+def _owned_segments(pids: set[int]) -> list[str]:
+    owners = tuple(f"{shm.SEGMENT_PREFIX}{pid}-" for pid in pids)
+    return [n for n in _segments() if n.startswith(owners)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("consumer", "target", "previous"),
+    [
+        ("iterator", "process", "none"),  # torchrun, kill: the training process only
+        ("iterator", "group", "none"),  # a scheduler signalling every process of the job
+        ("iterator", "process", "raises"),
+        ("iterator", "process", "flag"),
+        ("loader", "process", "none"),
+        pytest.param("loader", "group", "none", marks=pytest.mark.xfail(
+            strict=True, reason="the engine process keeps the batches it sent to a reader "
+            "that SIGTERM killed (torch/_loader_engine.py)")),
+    ],
+)
+def test_sigterm_mid_iteration_leaves_no_segment_or_worker_and_still_ends_the_process(
+        tmp_path: Path, consumer: str, target: str, previous: str) -> None:
+    if consumer == "loader":
+        pytest.importorskip("torch")
+    script = tmp_path / "train.py"
+    script.write_text(_TERMINATED)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script), consumer, previous],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "running", proc.stderr.read()
+        tree = _tree(proc.pid)
+        assert tree, "expected worker processes"
+        deadline = time.monotonic() + 20
+        while not _owned_segments({proc.pid, *tree}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _owned_segments({proc.pid, *tree}), "expected live segments to leak"
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    expected = {"none": -signal.SIGTERM, "raises": 3, "flag": 0}[previous]
+    assert proc.returncode == expected, err[-3000:]
+    if previous == "raises":
+        assert "previous handler" in out
+    if previous == "flag":
+        assert "stopped gracefully" in out, err[-3000:]
+    deadline = time.monotonic() + 20
+    while _alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive, left = _alive(tree), _owned_segments({proc.pid, *tree})
+    for pid in alive:  # leave nothing to the module's leak check: this test reports it
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for name in left:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(shm.segment_dir(), name))
+    assert (alive, left) == (set(), [])
+
+
+@pytest.mark.timeout(120)
+def test_the_sigterm_handler_is_the_pools_only_while_one_is_alive_and_passes_the_signal_on(
+        clean: set[int]) -> None:
+    calls: list[int] = []
+
+    def previous(signum: int, frame: Any) -> None:
+        calls.append(signum)
+
+    saved = signal.signal(signal.SIGTERM, previous)
+    try:
+        it = _pipe(200).iter(runner="process", num_workers=1)
+        installed = signal.getsignal(signal.SIGTERM)
+        assert installed is not previous, "no SIGTERM clean-up while the pool is alive"
+        signal.raise_signal(signal.SIGTERM)
+        assert calls == [signal.SIGTERM]  # handed to the handler that was there first ...
+        got = list(it)  # ... which chose to go on: the pool still works
+        assert_same(collect(_pipe(200), runner="inline"), got, label="after a SIGTERM")
+        it.close()
+        assert signal.getsignal(signal.SIGTERM) is previous
+
+        # A pool started on another thread cannot install a handler, and does not try.
+        done: list[Any] = []
+        thread = threading.Thread(target=lambda: done.append(
+            _pipe(40).iter(runner="process", num_workers=1).close()))
+        thread.start()
+        thread.join()
+        assert done == [None] and signal.getsignal(signal.SIGTERM) is previous
+
+        # An ignored SIGTERM stays ignored.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        it = _pipe(40).iter(runner="process", num_workers=1)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        it.close()
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    assert_released(clean)

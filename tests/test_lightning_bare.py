@@ -203,6 +203,95 @@ def test_epochs_cut_by_limit_train_batches_restart_the_loader_and_resume_exactly
         assert resumed.seen == full.seen[k:], ckpt.name
 
 
+# --------------------------------------------------------------------------- Lightning's names
+
+
+class _StateDictWithout(Callback):
+    """Calls the loader's ``state_dict()`` during fit, with one of Lightning's names renamed.
+
+    The first call sees the fit loop as it is; the next two see it as a
+    Lightning release that renamed ``name`` (of the fit loop, or of its data
+    fetcher) would have it. Records every warning of those calls.
+    """
+
+    def __init__(self, loader: DataLoader, name: str) -> None:
+        self.loader = loader
+        self.owner, self.name = name.split(".")
+        self.plain: list[warnings.WarningMessage] = []
+        self.renamed: list[warnings.WarningMessage] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step != 2:
+            return
+        with warnings.catch_warnings(record=True) as self.plain:
+            warnings.simplefilter("always")
+            self.loader.state_dict()
+        loop = trainer.fit_loop
+        owner = loop if self.owner == "fit_loop" else loop._data_fetcher
+        value = owner.__dict__.pop(self.name)
+        setattr(owner, f"{self.name}_renamed", value)
+        try:
+            with warnings.catch_warnings(record=True) as self.renamed:
+                warnings.simplefilter("always")
+                self.loader.state_dict()
+                self.loader.state_dict()
+        finally:
+            delattr(owner, f"{self.name}_renamed")
+            setattr(owner, self.name, value)
+
+
+@pytest.mark.parametrize("name", ["fit_loop._combined_loader", "fit_loop._data_fetcher",
+                                  "fetcher.batches", "fetcher.done"])
+def test_a_fit_loop_without_the_names_the_loader_reads_warns_once_to_use_the_data_module(
+        tmp_path: Path, name: str):
+    loader = _loader(in_process=True)
+    probe = _StateDictWithout(loader, name)
+    _fit(tmp_path, TinyLM(), loader, callbacks=[probe], max_steps=4)
+    assert probe.plain == []  # the names of this Lightning release: no warning
+    assert len(probe.renamed) == 1, [str(w.message) for w in probe.renamed]  # once per loader
+    warning = probe.renamed[0]
+    assert issubclass(warning.category, RuntimeWarning)
+    message = str(warning.message)
+    assert name.split(".")[1] in message
+    assert "off by the batch(es) Lightning prefetched" in message
+    assert "zephon_torch.lightning.ZephonDataModule" in message
+
+
+def test_a_lightning_release_outside_the_tested_range_warns_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import lightning
+
+    loader = _loader(in_process=True)
+    caught: list[warnings.WarningMessage] = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                loader.state_dict()
+            caught.extend(seen)
+
+    monkeypatch.setattr(lightning, "__version__", "2.7.0")
+    _fit(tmp_path, TinyLM(), loader, callbacks=[Record()], max_steps=3)
+    assert [w.category for w in caught] == [RuntimeWarning]  # three calls, one warning
+    message = str(caught[0].message)
+    assert "lightning 2.7.0" in message and "lightning>=2.2,<2.7" in message
+    assert "zephon_torch.lightning.ZephonDataModule" in message
+
+
+def test_the_lightning_extra_pins_the_range_the_loader_was_tested_with():
+    from zephon_torch.torch.loader import TESTED_LIGHTNING
+
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml")
+                            .read_text(encoding="utf-8"))["project"]
+    (low_major, low_minor), (high_major, high_minor) = TESTED_LIGHTNING
+    pinned = f"lightning>={low_major}.{low_minor},<{high_major}.{high_minor}"
+    assert project["optional-dependencies"]["lightning"] == [pinned]
+    major, minor = (int(part) for part in pl.__version__.split(".")[:2])
+    assert TESTED_LIGHTNING[0] <= (major, minor) < TESTED_LIGHTNING[1]  # this suite's release
+
+
 # --------------------------------------------------------------------------- the positions kept
 
 

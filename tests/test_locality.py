@@ -31,6 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from memsource import MemDataset
 
+from zephon_torch.checkpoint import accept_changed_data
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.sources.base import Dataset, Shard
 from zephon_torch.sources.datasets import JsonlDataset, ParquetDataset
@@ -308,7 +309,8 @@ def test_threads_wanting_the_same_row_group_wait_for_one_decode(many_groups: lis
 
 
 class CountingFile(RandomAccessFile):
-    reads: ClassVar[list[int]] = []
+    reads: ClassVar[list[int]] = []  # bytes of each range read for lines
+    checks: ClassVar[list[int]] = []  # bytes read when a file is opened (its identity check)
 
     def read_at(self, offset: int, size: int) -> bytes:
         data = super().read_at(offset, size)
@@ -322,22 +324,31 @@ class CountingJsonl(JsonlDataset):
     block_bytes = 4096
 
     def _open(self, shard_id: int) -> RandomAccessFile:
-        super()._open(shard_id).close()  # the checks of the real one
-        return CountingFile(self._files[shard_id].path)
+        file = self._files[shard_id]
+        handle = CountingFile(file.path)
+        mark = len(CountingFile.reads)
+        self._check_unchanged(file, handle)
+        CountingFile.checks.extend(CountingFile.reads[mark:])
+        del CountingFile.reads[mark:]
+        return handle
 
 
 def test_a_shuffled_pass_reads_each_jsonl_byte_once(tmp_path: Path) -> None:
     paths = [write_jsonl(tmp_path / f"p{i}.jsonl", documents(300, seed=i)) for i in range(2)]
     sizes = sum(p.stat().st_size for p in paths)
     assert min(p.stat().st_size for p in paths) > 8 * CountingJsonl.block_bytes
-    CountingFile.reads = []
+    CountingFile.reads, CountingFile.checks = [], []
     ds = CountingJsonl([str(p) for p in paths], cache_dir=tmp_path / "index")
     pipe = Pipeline.from_sources([ds], num_lanes=1, chunk_size=50, seed=3).fetch()
     it = pipe.iter(runner="inline")
     texts = [json.loads(r.payload)["text"] for r in it]
     assert sorted(texts) == sorted(t for i in range(2) for t in documents(300, seed=i) if t)
-    assert sum(CountingFile.reads) == sizes  # every byte once, in blocks
-    assert it.stats()["bytes_read"] == sizes
+    # Every byte once, in blocks; and the line ending before each block but the first,
+    # which the reader checks against the index.
+    checked = sum(len(ds.blocks(s)) - 1 for s in range(2))
+    assert checked > 10
+    assert sum(CountingFile.reads) == sizes + checked
+    assert it.stats()["bytes_read"] == sizes + checked + sum(CountingFile.checks)
 
 
 def test_text_files_count_their_size_per_read(tmp_path: Path) -> None:
@@ -391,6 +402,10 @@ def test_a_resume_over_files_whose_row_groups_changed_is_refused(tmp_path: Path)
     again = Pipeline.from_parquet(str(path), num_lanes=2, chunk_size=8).fetch()
     with pytest.raises(ValueError, match="blocks differ"):
         again.iter(runner="inline").load_state_dict(state)
+    # Not even with changed data accepted: the order itself is another, so the replay
+    # could not find its place.
+    with pytest.raises(ValueError, match="blocks differ"):
+        again.iter(runner="inline").load_state_dict(accept_changed_data(state))
     # Without shuffling, or with one block per shard, the layout decides nothing.
     assert "blocks" not in Pipeline.from_parquet(str(path), shuffle=False).fingerprint()
     one = write_token_parquet(tmp_path / "b.parquet", 50, seed=2, rows_per_group=100)

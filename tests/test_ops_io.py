@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -328,3 +330,60 @@ def test_decode_text_reads_chat_jsonl_with_a_messages_field(tmp_path: Path) -> N
     assert reason(out[1]) == "empty"
     with pytest.raises(ValueError, match="field 'messages' is a int, not a string"):
         decode.process_many(fetch.process_many([pointer(0, 0, 2)]))
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_a_decode_error_but_an_emoji_pair_is_fine(
+        tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    # json.dumps writes the paired emoji as "\ud83d\ude00" and the lone half as "\ud83d".
+    lines = [{"messages": [{"role": "user", "content": "smile \U0001f600"}]},
+             {"messages": [{"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "cut \ud83d"}]}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert b"\\ud83d\\ude00" in path.read_bytes()
+    datasets = {0: zd.jsonl(str(path), cache_dir=str(tmp_path / "cache"))}
+    recs = fetched(datasets, pointer(0, 0, 0), pointer(0, 0, 1))
+    with pytest.raises(ValueError) as info:
+        ready(DecodeText(field="messages"), datasets).process_many(recs)
+    assert str(info.value).startswith(
+        "decode_text: a lone UTF-16 surrogate \\ud83d (character 4) in the content of message 1 "
+        f"of field 'messages' (not valid Unicode, so no tokenizer can encode it; often half of "
+        f"an emoji cut by a scraper) at {path} line 2 (sample (0, 0, 1))"), str(info.value)
+    out = ready(DecodeText(field="messages", on_error="skip"), datasets).process_many(recs)
+    assert out[0].payload == lines[0] and reason(out[1]) == "decode_error"
+    assert "lone UTF-16 surrogate \\ud83d" in out[1].meta.tags[TOMBSTONE_DETAIL_TAG]
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"text": "deep", "n": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def _at_depth(frames: int, call: Any) -> Any:
+    """``call()`` from ``frames`` more Python frames down the stack."""
+    return call() if frames <= 0 else _at_depth(frames - 1, call)
+
+
+def test_whether_a_deeply_nested_line_loads_depends_on_the_line_not_on_the_stack(
+        tmp_path: Path) -> None:
+    path = tmp_path / "deep.jsonl"
+    path.write_bytes(_nested(300) + b"\n" + _nested(100_000) + b"\n" + _nested(3) + b"\n")
+    datasets = {0: zd.jsonl(path, cache_dir=tmp_path / "cache", on_error="skip")}
+    recs = fetched(datasets, pointer(0, 0, 0), pointer(0, 0, 1), pointer(0, 0, 2))
+    op = ready(DecodeText(), datasets)
+    shallow = op.process_many(recs)
+    limit = sys.getrecursionlimit()
+    # 300 levels of brackets do not fit below 700 frames of caller (the old code raised a
+    # bare RecursionError there); the decision must not change with the caller.
+    deep = _at_depth(700, lambda: op.process_many(recs))
+    assert [r.meta for r in deep] == [r.meta for r in shallow]
+    assert [json.dumps(r.payload) for r in deep] == [json.dumps(r.payload) for r in shallow]
+    assert json.dumps(shallow[0].payload).encode() == _nested(300)
+    assert reason(shallow[1]) == "decode_error" and shallow[2].payload["text"] == "deep"
+    detail = shallow[1].meta.tags[TOMBSTONE_DETAIL_TAG]
+    assert detail.startswith("JSON nested too deeply for Python to load"), detail
+    # The interpreter is left as it was: same limit, and deep recursion still works.
+    assert sys.getrecursionlimit() == limit
+    assert _at_depth(limit - 200, lambda: "bottom") == "bottom"
+    with pytest.raises(ValueError, match=rf"nested too deeply .* at {path} line 2 "):
+        ready(DecodeText(), {0: zd.jsonl(path, cache_dir=tmp_path / "cache")}).process_many(
+            recs[1:2])

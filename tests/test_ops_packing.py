@@ -3,11 +3,16 @@
 The tests drive an operator's accumulator and ``process_many`` directly, the
 way a runner does. Document ``i`` of the hand-written examples holds the
 tokens ``10*(i+1), 10*(i+1)+1, ...`` so every expected row can be read off.
+
+Every test runs twice: with the compiled placement kernel and with its
+pure-Python twin (``ZEPHON_NATIVE=0``), which must behave identically.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,8 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zephon_torch.ops._binpack import native_available
 from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, OpContext, OpTraits, tombstone
 from zephon_torch.ops.packing import (
+    DEFAULT_BFD_WINDOW,
     PLAN_KEY,
     PackFlat,
     PackFlatAccumulator,
@@ -33,6 +40,20 @@ from zephon_torch.types import (
 )
 
 PAD = -1
+ALGORITHMS = ["first_fit", "best_fit", "wrap", "best_fit_decreasing"]
+
+
+@pytest.fixture(scope="module", params=["native", "twin"], autouse=True)
+def placement(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the module once per placement implementation, chosen as users do: ZEPHON_NATIVE."""
+    if request.param == "native":
+        if os.environ.get("ZEPHON_NATIVE", "").strip().lower() in ("0", "false", "no", "off"):
+            pytest.skip("the compiled placement kernel is disabled by ZEPHON_NATIVE")
+        if not native_available():
+            pytest.skip("the compiled placement kernel is not built (no C compiler?)")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ZEPHON_NATIVE", "1" if request.param == "native" else "0")
+        yield request.param
 
 
 def doc(i: int, n: int, *, lane: int = 0, chunk: int = 0, comp: int = 0,
@@ -160,6 +181,89 @@ def test_wrap_min_sequence_length_closes_a_row_with_too_little_room():
               docs([4, 3]))
     # After d0 the row has room 2 < 3: it goes out padded, d1 starts a fresh row.
     assert rows(out) == [[10, 11, 12, 13, PAD, PAD], [20, 21, 22, PAD, PAD, PAD]]
+
+
+# --------------------------------------------------------------------------- best fit decreasing
+
+
+def bfd(max_length: int, window: int, **kwargs: Any) -> PackFlat:
+    return PackFlat(max_length, algorithm="best_fit_decreasing", bfd_window=window,
+                    pad_token_id=PAD, **kwargs)
+
+
+def test_best_fit_decreasing_worked_example_from_the_module_docstring():
+    lengths = [3, 6, 2, 5, 2, 4]
+    first = run(PackFlat(8, num_bins=2, pad_token_id=PAD), docs(lengths))
+    assert [r.meta.padding_length for r in first] == [2, 1, 3, 4]
+    out = run(bfd(8, 6), docs(lengths))
+    assert rows(out) == [
+        [20, 21, 22, 23, 24, 25, 30, 31],
+        [40, 41, 42, 43, 44, 10, 11, 12],
+        [60, 61, 62, 63, 50, 51, PAD, PAD],
+    ]
+    assert positions(out)[2] == [0, 1, 2, 3, 0, 1, 0, 1]
+    assert [refs(r) for r in out] == [[(1, (), True), (2, (), True)],
+                                      [(3, (), True), (0, (), True)],
+                                      [(5, (), True), (4, (), True)]]
+    # A row's meta is its first piece's meta made a child.
+    assert [(r.meta.chunk_offset, r.meta.lineage) for r in out] == [(1, (0,)), (3, (0,)),
+                                                                    (5, (0,))]
+
+
+def test_best_fit_decreasing_emits_a_window_when_its_last_document_arrives():
+    op = bfd(8, 3)
+    acc = accumulator(op)
+    assert acc.push_many(docs([3, 6])) == [] and acc.has_pending_data(0)
+    # d0..d2 go out as d2 arrives (6 | 5 + 3); d3 opens the next window.
+    emitted = assemble(op, acc.push_many([doc(2, 5), doc(3, 2)]))
+    assert rows(emitted) == [[20, 21, 22, 23, 24, 25, PAD, PAD],
+                             [30, 31, 32, 33, 34, 10, 11, 12]]
+    assert acc.has_pending_data(0)
+    assert rows(assemble(op, acc.flush(reset=True, lane_id=0))) == [
+        [40, 41, PAD, PAD, PAD, PAD, PAD, PAD]]
+    assert not acc.has_pending_data()
+    # After the reset the lane counts a fresh window.
+    assert acc.push_many(docs([1, 1])) == [] and len(acc.push_many([doc(5, 1)])) == 1
+
+
+def test_best_fit_decreasing_lets_tombstones_pass_ahead_of_the_documents_it_holds():
+    op = bfd(8, 10, oversized="drop")
+    acc = accumulator(op)
+    stream = [doc(0, 3), tombstone(doc(1, 2), "filter"), doc(2, 0), doc(3, 20), doc(4, 4)]
+    first = assemble(op, acc.push_many(stream))
+    assert [(r.meta.chunk_offset, r.meta.tags[TOMBSTONE_REASON_TAG]) for r in first] == [
+        (1, "filter"), (2, "empty"), (3, "oversized")]
+    assert rows(assemble(op, acc.flush())) == [[50, 51, 52, 53, 10, 11, 12, PAD]]
+
+
+def test_best_fit_decreasing_splits_long_documents_and_only_the_last_piece_closes():
+    out = run(bfd(4, 10), docs([2, 9, 2]))
+    assert rows(out) == [[20, 21, 22, 23], [24, 25, 26, 27], [10, 11, 30, 31],
+                         [28, PAD, PAD, PAD]]
+    assert [refs(r) for r in out] == [[(1, (0,), False)], [(1, (1,), False)],
+                                      [(0, (), True), (2, (), True)], [(1, (2,), True)]]
+
+
+def test_best_fit_decreasing_truncates_and_counts_the_tail():
+    out = run(bfd(4, 10, oversized="truncate"), docs([7, 2]))
+    assert rows(out) == [[10, 11, 12, 13], [20, 21, PAD, PAD]]
+    assert [info(r)["truncated_tokens"] for r in out] == [3, 0]
+
+
+def test_best_fit_decreasing_pack_sequences_keeps_segments_in_placement_order():
+    records = docs([1, 3, 2])
+    out = run(PackSequences(4, algorithm="best_fit_decreasing", bfd_window=3), records)
+    (row, second) = (r.payload["packed_samples"] for r in out)
+    assert row[0] is records[1].payload and row[1] is records[0].payload
+    assert second[0] is records[2].payload
+
+
+def test_bfd_window_is_in_the_config_only_for_best_fit_decreasing():
+    assert "bfd_window" not in PackFlat(8).config()
+    assert PackFlat(8, algorithm="best_fit_decreasing").config()["bfd_window"] == 4096
+    assert DEFAULT_BFD_WINDOW == 4096
+    config = PackSequences(8, algorithm="best_fit_decreasing", bfd_window=16).config()
+    assert config["bfd_window"] == 16 and config["algorithm"] == "best_fit_decreasing"
 
 
 # --------------------------------------------------------------------------- positions, mask
@@ -319,9 +423,10 @@ def _lane_stream(seed: int, n: int, lanes: int) -> list[SampleRecord]:
             for i in range(n)]
 
 
-@pytest.mark.parametrize("algorithm", ["first_fit", "best_fit", "wrap"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_interleaved_lanes_give_each_lane_its_own_output(algorithm):
-    op = PackFlat(16, num_bins=3, algorithm=algorithm, oversized="split")
+    window = {"bfd_window": 7} if algorithm == "best_fit_decreasing" else {}
+    op = PackFlat(16, num_bins=3, algorithm=algorithm, oversized="split", **window)
     stream = _lane_stream(1, 120, 3)
     together = _per_lane(run(op, stream))
     for lane in range(3):
@@ -512,6 +617,10 @@ def test_traits_names_and_config():
     ({"tokens_field": ""}, "tokens_field"),
     ({"pad_token_id": 2**40}, "pad_token_id"),
     ({"emit_positions": 1}, "emit_positions"),
+    ({"bfd_window": 16},
+     "bfd_window=16 applies only to algorithm='best_fit_decreasing', not 'first_fit'; remove"),
+    ({"algorithm": "best_fit_decreasing", "bfd_window": 0},
+     "bfd_window must be an integer >= 1, got 0; pass how many documents"),
 ])
 def test_constructor_rejects_bad_arguments_with_the_fix(kwargs, message):
     params = {"max_length": 8, **kwargs}
@@ -610,12 +719,14 @@ def streams(draw: Any) -> dict[str, Any]:
     max_length = draw(st.integers(1, 12))
     lengths = draw(st.lists(st.integers(0, 3 * max_length), max_size=40))
     lanes = [draw(st.integers(0, 2)) for _ in lengths]
+    algorithm = draw(st.sampled_from(ALGORITHMS))
+    window = ({"bfd_window": draw(st.integers(1, 6))} if algorithm == "best_fit_decreasing"
+              else {})
     return {
-        "op": PackFlat(max_length, num_bins=draw(st.integers(1, 4)),
-                       algorithm=draw(st.sampled_from(["first_fit", "best_fit", "wrap"])),
+        "op": PackFlat(max_length, num_bins=draw(st.integers(1, 4)), algorithm=algorithm,
                        min_sequence_length=draw(st.integers(1, max_length)),
                        oversized=draw(st.sampled_from(["split", "drop", "truncate"])),
-                       pad_token_id=PAD),
+                       pad_token_id=PAD, **window),
         "records": [doc(i, n, lane=lane, chunk=i // 5, comp=i % 2, base=1000 * i)
                     for i, (n, lane) in enumerate(zip(lengths, lanes))],
         "flush_at": draw(st.sets(st.integers(0, max(len(lengths) - 1, 0)))),
@@ -701,10 +812,11 @@ def test_a_lane_reset_at_each_flush_point_equals_fresh_runs_between_them(case):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 20), max_size=30), st.integers(1, 8),
-       st.sampled_from(["first_fit", "best_fit", "wrap"]))
+       st.sampled_from(ALGORITHMS))
 def test_pack_sequences_conserves_segments(lengths, max_length, algorithm):
     records = [doc(i, n, base=1000 * i) for i, n in enumerate(lengths)]
-    out = run(PackSequences(max_length, algorithm=algorithm, num_bins=2), records)
+    window = {"bfd_window": 4} if algorithm == "best_fit_decreasing" else {}
+    out = run(PackSequences(max_length, algorithm=algorithm, num_bins=2, **window), records)
     assert _closings(out) == Counter(r.meta.cursor.base_offset for r in records)
     got: dict[tuple[int, int], list[tuple[tuple[int, ...], list[int]]]] = {}
     for r in out:
@@ -739,6 +851,24 @@ def test_first_fit_padding_on_a_heavy_tailed_length_distribution_stays_near_one_
     assert padding < 0.015, f"first_fit padding {padding:.2%}"
 
 
+def test_best_fit_decreasing_pads_far_less_than_first_fit_on_the_same_distribution():
+    rng = np.random.default_rng(0)
+    lengths = np.maximum(rng.lognormal(5.5, 1.0, 20_000).astype(int), 1)
+    tokens = np.zeros(int(lengths.max()), dtype=np.int32)
+    records = [SampleRecord(SampleMeta((0, 0, i), lane_id=0, chunk_id=0, chunk_offset=i,
+                                       component_sample_counts={0: 1}),
+                            {"input_ids": tokens[:n]}) for i, n in enumerate(lengths)]
+    padding = {}
+    for algorithm in ("first_fit", "best_fit_decreasing"):
+        acc = PackFlatAccumulator(2049, num_bins=8, algorithm=algorithm)
+        plans = [r for mb in acc.push_many(records) + acc.flush() for r in mb]
+        assert sum(2049 - r.meta.padding_length for r in plans) == int(lengths.sum())
+        padding[algorithm] = sum(r.meta.padding_length for r in plans) / (len(plans) * 2049)
+    # Windows of 4,096 documents: near-offline packing.
+    assert padding["best_fit_decreasing"] < 0.0015, padding
+    assert padding["best_fit_decreasing"] < padding["first_fit"] / 4, padding
+
+
 def test_plain_engine_is_usable_directly():
     acc = PackingAccumulator(4)
     (mb,) = acc.push_many(docs([4]))
@@ -762,3 +892,25 @@ def test_the_array_fast_path_decides_exactly_as_the_general_path(case):
     assert [(r.meta.component_sample_counts, r.meta.component_token_counts) for r in fast] == [
         (r.meta.component_sample_counts, r.meta.component_token_counts) for r in general]
     assert rows(fast) == rows(general)
+
+
+@settings(max_examples=150, deadline=None)
+@given(streams())
+def test_the_compiled_kernel_and_the_twin_give_the_same_records(placement, case):
+    if placement != "native":
+        pytest.skip("compares both implementations; runs once, with the native parameter")
+    outputs = []
+    for value in ("1", "0"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("ZEPHON_NATIVE", value)
+            outputs.append(_drive(case["op"], case["records"], case["flush_at"], case["step"]))
+    native, twin = outputs
+    assert [r.meta for r in native] == [r.meta for r in twin]
+    assert [dict(r.meta.tags) for r in native] == [dict(r.meta.tags) for r in twin]
+    assert rows(native) == rows(twin) and positions(native) == positions(twin)
+
+
+def test_the_packer_places_with_the_implementation_zephon_native_selects(placement):
+    acc = accumulator(PackFlat(8))
+    acc.push_many(docs([3]))
+    assert acc._lanes[0].placer.native is (placement == "native")

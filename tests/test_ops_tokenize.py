@@ -230,6 +230,41 @@ def test_custom_fields(tok):
         Tokenize(tok, out_field="")
 
 
+def test_a_text_the_tokenizer_cannot_encode_fails_alone_naming_its_sample(tok):
+    texts = ["the lane", "half an emoji \ud83d", "kazo phelin", "\udfff", "ünïcødé ✓"]
+    recs = _texts(texts)
+    with pytest.raises(ValueError) as err:
+        Tokenize(tok).process_many(recs)
+    assert str(err.value).startswith(
+        "tokenize: sample (0, 3, 1) field 'text' holds a lone UTF-16 surrogate \\ud83d "
+        "(character 14) (not valid Unicode"), str(err.value)
+    assert isinstance(err.value.__cause__, Exception)  # what the tokenizer raised
+    whole = Tokenize(tok, on_error="skip").process_many(recs)
+    assert [r.meta.tags.get(TOMBSTONE_REASON_TAG) for r in whole] == [
+        None, "tokenize_error", None, "tokenize_error", None]
+    for rec, text in zip(whole, texts):
+        if rec.payload is not None:  # the others are encoded exactly as on their own
+            assert rec.payload["input_ids"].tolist() == [BOS, *_enc(tok, text), EOT]
+    one_by_one = [r for rec in recs for r in Tokenize(tok, on_error="skip").process_many([rec])]
+    assert one_by_one == whole
+
+
+def test_a_chat_the_tokenizer_cannot_encode_fails_alone_naming_its_message(tok):
+    bad = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x\ud800"}]
+    recs = [_rec(0, {"messages": CONVO}), _rec(1, {"messages": bad}),
+            _rec(2, {"messages": CONVO})]
+    with pytest.raises(ValueError, match=r"^tokenize_chat: sample \(0, 3, 1\): the content of "
+                                         r"message 1 \(assistant\) holds a lone UTF-16 "
+                                         r"surrogate \\ud800 \(character 1\)"):
+        TokenizeChat(tok).process_many(recs)
+    out = TokenizeChat(tok, on_error="skip").process_many(recs)
+    assert out[1].meta.tags[TOMBSTONE_REASON_TAG] == "tokenize_chat_error"
+    alone = TokenizeChat(tok).process_many([recs[0]])[0].payload
+    for rec in (out[0], out[2]):  # the neighbours come out as if tokenized on their own
+        assert rec.payload["input_ids"].tolist() == alone["input_ids"].tolist()
+        assert rec.payload["loss_mask"].tolist() == alone["loss_mask"].tolist()
+
+
 @pytest.mark.parametrize(
     ("payload", "expected"),
     [({"other": "x"}, "has no field 'text'"), ({"text": 7}, "is a int, not a str"),

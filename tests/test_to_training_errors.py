@@ -58,6 +58,17 @@ def test_payload_neither_dict_nor_array(payload, type_name):
         b.to_training()
 
 
+@pytest.mark.parametrize("array", [arr(4, 5, 6), [4, 5, 6], torch.tensor([4, 5, 6])],
+                         ids=["numpy", "list", "tensor"])
+@pytest.mark.parametrize("dict_first", [True, False])
+def test_a_batch_mixing_dict_and_array_payloads_is_a_type_error(array, dict_first):
+    payloads = [{"input_ids": arr(1, 2, 3)}, array]
+    b = batch(*(payloads if dict_first else payloads[::-1]))
+    with pytest.raises(TypeError, match=r"neither all dicts nor all arrays: record \(0, 0, 0\) "
+                                        r"holds a (dict|\w+ \(an array\)) and record \(0, 0, 1\)"):
+        b.to_training(dtype=None)
+
+
 def test_exclude_fields_as_string():
     with pytest.raises(TypeError, match="exclude_fields"):
         simple().to_training(exclude_fields="ids")
@@ -139,6 +150,59 @@ def test_extra_field_overwriting_generated_output(field):
         b.to_training(return_labels=True, extra_fields=[field])
 
 
+# Each output name with the options under which this call generates it.
+_GENERATING = [
+    ("ids", {}, "always generated"),
+    ("texts", {}, "always generated"),
+    ("input_ids", {}, "always generated"),
+    ("labels", {"return_labels": True}, "return_labels=True"),
+    ("num_valid_tokens", {"return_labels": True, "return_num_valid_tokens": True},
+     "return_num_valid_tokens=True"),
+    ("cu_seqlens", {"return_cu_seqlens": True}, "return_cu_seqlens=True"),
+    ("max_seqlen", {"return_cu_seqlens": True}, "return_cu_seqlens=True"),
+    ("padding_mask", {"return_padding_mask": True}, "return_padding_mask=True"),
+    ("positions", {"position_mode": "sequence"}, "position_mode='sequence'"),
+]
+
+
+def _with_field(name: str) -> SampleBatch:
+    """Two rows of four tokens whose payloads also carry ``name`` (and positions)."""
+    return batch(*({"input_ids": arr(1, 2, 3, 4) + 10 * i, "positions": arr(0, 1, 0, 1),
+                    name: arr(5, 6, 7, 8) + 10 * i} for i in range(2)))
+
+
+@pytest.mark.parametrize("empty", [False, True])
+@pytest.mark.parametrize(("field", "kwargs", "why"), _GENERATING, ids=[g[0] for g in _GENERATING])
+def test_an_extra_field_may_not_overwrite_an_output_this_call_generates(field, kwargs, why,
+                                                                        empty):
+    b = SampleBatch([]) if empty else _with_field(field)
+    with pytest.raises(ValueError, match=rf"extra field '{field}' would overwrite the generated "
+                                         rf"output field '{field}' \(.*{why}"):
+        b.to_training(extra_fields=(field,), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("field", "return_labels"),
+    [("labels", False), *((name, labels) for name in
+                          ("num_valid_tokens", "cu_seqlens", "max_seqlen", "padding_mask")
+                          for labels in (False, True))],
+)
+def test_an_extra_field_named_like_an_output_this_call_does_not_generate_is_stacked(
+        field, return_labels):
+    out = _with_field(field).to_training(extra_fields=(field,), return_labels=return_labels,
+                                         dtype=None)
+    # Sliced like input_ids when labels are made.
+    expected = [[5, 6, 7, 8], [15, 16, 17, 18]]
+    assert out[field] == ([row[:-1] for row in expected] if return_labels else expected)
+    assert out["input_ids"] == ([[1, 2, 3], [11, 12, 13]] if return_labels
+                                else [[1, 2, 3, 4], [11, 12, 13, 14]])
+
+
+def test_positions_listed_in_extra_fields_in_preserve_mode_are_the_payload_positions():
+    out = _with_field("x").to_training(extra_fields=("positions",), dtype=None)
+    assert out["positions"] == [[0, 1, 0, 1], [0, 1, 0, 1]]
+
+
 # --------------------------------------------------------------------------- padding mask
 
 
@@ -183,6 +247,29 @@ def test_cu_seqlens_positions_misaligned(bad):
     b = positioned(arr(0, 1, 2, 3), bad)
     with pytest.raises(ValueError, match="positions"):
         b.to_training(return_cu_seqlens=True, dtype=None)
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (4, 2), (1, 4)])
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("positions", {}),  # forwarded ("preserve")
+        ("positions", {"return_cu_seqlens": True}),
+        ("positions", {"return_cu_seqlens": True, "position_mode": "sequence"}),
+        ("positions", {"return_labels": True, "return_cu_seqlens": True, "flatten": True}),
+        ("loss_mask", {}),  # surfaced raw
+        ("loss_mask", {"return_labels": True}),  # applied to the labels
+    ],
+)
+def test_positions_or_loss_mask_of_the_wrong_shape_name_the_expected_shape(field, kwargs,
+                                                                           shape):
+    values = np.zeros(shape, dtype=np.int32)
+    b = batch({"input_ids": arr(1, 2, 3, 4), field: values},
+              {"input_ids": arr(5, 6, 7, 8), field: values})
+    with pytest.raises(ValueError, match=rf"record \(0, 0, 0\): field '{field}' has shape "
+                                         rf"\({shape[0]}, {shape[1]}\), misaligned with the token "
+                                         r"field 'input_ids' .* must have shape \(4,\)"):
+        b.to_training(**kwargs)
 
 
 @pytest.mark.parametrize("return_labels", [True, False])

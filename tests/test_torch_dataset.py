@@ -184,6 +184,60 @@ def test_wrapper_pickles_without_its_live_iterator(pipe: zt.Pipeline) -> None:
     dataset.close()
 
 
+# ---------------------------------------------------------------- one iteration at a time
+
+
+def test_a_peek_inside_a_torch_loop_over_the_dataset_is_refused_and_the_loop_goes_on(
+        pipe: zt.Pipeline, expected: list[list[tuple]]) -> None:
+    ds = pipe.to_torch_dataset()
+    loader = DataLoader(ds, batch_size=None)  # num_workers=0: iter(loader) calls iter(ds)
+    got = []
+    for i, batch in enumerate(loader):
+        got.append(ids(batch))
+        if i == 1:
+            with pytest.raises(RuntimeError, match="one iteration at a time"):
+                next(iter(loader))
+            after_two = ds.state_dict()
+    assert got == expected  # neither ended early nor restarted
+    resumed = pipe.to_torch_dataset()
+    resumed.load_state_dict(after_two)  # the position of the loop's two batches
+    assert run_ids(DataLoader(resumed, batch_size=None)) == expected[2:]
+
+
+def test_a_dataset_iterator_starts_once_the_one_in_progress_has_been_dropped(
+        pipe: zt.Pipeline, expected: list[list[tuple]]) -> None:
+    ds = pipe.to_torch_dataset()
+    first = iter(ds)
+    head = [ids(next(first)) for _ in range(3)]
+    second = iter(ds)
+    with pytest.raises(RuntimeError, match="iteration in progress"):
+        next(second)
+    assert ids(next(first)) == expected[3]  # the first goes on where it was
+    assert head == expected[:3]
+    del first  # dropped unfinished
+    assert run_ids(second) == expected  # a new pass
+    assert run_ids(ds) == expected  # after the end: another
+    third, fourth = iter(ds), iter(ds)  # neither started: each is a pass of its own
+    assert run_ids(third) == expected
+    assert run_ids(fourth) == expected
+
+
+def test_a_stateful_dataloader_started_over_after_a_break_saves_the_new_pass(
+        pipe: zt.Pipeline, expected: list[list[tuple]]) -> None:
+    loader = StatefulDataLoader(pipe.to_torch_dataset(), batch_size=None)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    # StatefulDataLoader makes the new iterator (and calls iter(dataset)) while it still
+    # holds the one left by the break: the state is nonetheless the new pass's start.
+    it = iter(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert run_ids(it) == expected
+    resumed = StatefulDataLoader(pipe.to_torch_dataset(), batch_size=None)
+    resumed.load_state_dict(state)
+    assert run_ids(resumed) == expected
+
+
 # ---------------------------------------------------------------- StatefulDataLoader
 
 

@@ -7,6 +7,7 @@ shared-memory segments and a two-process gloo group are all real.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -245,18 +247,59 @@ def test_iter_alone_starts_nothing_and_keeps_a_loaded_state():
     assert probe.engine_pid is None
     assert resumed.state_dict() == state
     _assert_same(list(resumed), want[2:])  # a new iteration: the probe never started
-    with pytest.raises(StopIteration):
-        next(probe)
+    # The probe is an iterator like any other: used now, it starts a pass of its own.
+    _assert_same([next(probe)], want[:1])
+    probe.close()
 
 
-def test_a_new_iteration_ends_the_previous_one():
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "engine"])
+def test_a_peek_with_a_new_iterator_inside_the_loop_is_refused_and_the_loop_goes_on(in_process):
+    pipe = _pipe()
+    want = _reference(pipe)
+    loader = DataLoader(pipe, in_process=in_process)
+    got = []
+    for i, batch in enumerate(loader):
+        got.append(batch)
+        if i == 2:
+            peek = iter(loader)
+            with pytest.raises(RuntimeError, match="one iteration at a time"):
+                next(peek)
+            assert peek.engine_pid is None  # the refused iterator started nothing
+            after_three = loader.state_dict()
+    _assert_same(got, want)  # neither ended early nor restarted
+    resumed = DataLoader(pipe, in_process=True)
+    resumed.load_state_dict(after_three)  # the position of the loop's three batches
+    _assert_same(list(resumed), want[3:])
+
+
+def test_a_second_iterator_starts_once_the_first_has_ended_or_been_dropped():
+    want = _reference(_pipe())
     loader = DataLoader(_pipe(), in_process=True)
     first = iter(loader)
     next(first)
     second = iter(loader)
-    next(second)
-    with pytest.raises(StopIteration):
-        next(first)
+    with pytest.raises(RuntimeError, match="iteration in progress"):
+        next(second)
+    _assert_same([next(first)], want[1:2])  # the first goes on where it was
+    del first  # dropped unfinished (as a for loop's iterator after a break)
+    gc.collect()
+    _assert_same(list(second), want)  # a new pass
+    third = iter(loader)
+    fourth = iter(loader)
+    _assert_same(list(third), want)
+    _assert_same(list(fourth), want)  # after the end: another pass
+
+
+def test_load_state_dict_during_an_iteration_makes_its_next_step_an_error_not_an_end():
+    want = _reference(_pipe())
+    loader = DataLoader(_pipe(), in_process=True)
+    it = iter(loader)
+    next(it)
+    next(it)
+    loader.load_state_dict(loader.state_dict())
+    with pytest.raises(RuntimeError, match=r"ended by load_state_dict\(\) after 2 batch"):
+        next(it)
+    _assert_same(list(loader), want[2:])
 
 
 def test_loading_a_state_of_another_pipeline_is_a_clear_error():
@@ -305,6 +348,72 @@ def test_torch_only_arguments_are_type_errors_that_say_what_to_do():
         DataLoader(zt.Pipeline.from_items(_items()))
     with pytest.raises(ValueError, match="on_uneven"):
         DataLoader(pipe, on_uneven="wait")
+
+
+def test_timeout_must_be_a_non_negative_number_of_seconds():
+    for bad in (-1, "30", True, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+            DataLoader(_pipe(), timeout=bad)
+    assert DataLoader(_pipe(), timeout=2).timeout == 2.0
+
+
+def test_a_pipeline_stuck_on_the_prefetch_thread_times_out_with_an_error_naming_it():
+    release = threading.Event()
+
+    def stuck_on_doc_29(payload: dict[str, Any]) -> dict[str, Any]:
+        if payload["text"] == "doc 29":
+            release.wait(60)  # a read that never returns, until the test lets it go
+        return payload
+
+    source = zt.Pipeline.from_items(_items(), num_lanes=1, chunk_size=4)
+    want = _reference(source.map_transform(dict).batch(2))  # the same batches, never stuck
+    pipe = source.map_transform(stuck_on_doc_29).batch(2)
+    loader = DataLoader(pipe, in_process=True, timeout=3,
+                        microbatch_sizes={"map_transform": 2})
+    it = iter(loader)
+    got = []
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"timed out after 3 seconds waiting for a batch "
+                                               r"from the pipeline on the loader's prefetch "
+                                               r"thread \(in_process=True"):
+            for batch in it:
+                got.append(batch)
+        assert time.monotonic() - started < 30  # the error came; nothing hung
+        assert len(got) < 15  # none from doc 28 on
+        _assert_same(got, want[:len(got)])
+        with pytest.raises(StopIteration):
+            next(it)  # the iteration is over
+    finally:
+        release.set()
+    it._run.thread.join(timeout=10)
+    assert not it._run.thread.is_alive()  # it closed the pipeline once the call returned
+    loader.close()
+
+
+def test_a_stopped_engine_process_times_out_with_an_error_naming_its_pid_and_is_cleaned_up():
+    loader = DataLoader(_pipe(), num_workers=1)
+    it = iter(loader)
+    next(it)  # without a timeout: the engine's start-up (a spawn, imports) is not measured
+    tree = _engine_tree(it)
+    engine = it.engine_pid
+    loader.timeout = 2
+    os.kill(engine, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=rf"timed out after 2 seconds waiting for a "
+                                               rf"batch from the loader's engine process "
+                                               rf"\(pid {engine}\)"):
+            for _ in range(25):  # the batches already in transit come first
+                next(it)
+        assert time.monotonic() - started < 30
+        _assert_clean(tree)  # the timeout ended the iteration: engine and worker stopped
+        loader.close()
+        with pytest.raises(StopIteration):
+            next(it)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine, signal.SIGCONT)  # never leave a stopped process behind
 
 
 # --------------------------------------------------------------------------- lifetime

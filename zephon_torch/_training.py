@@ -41,11 +41,6 @@ __all__ = ["AUTO_TOKEN_FIELDS", "batch_to_training"]
 #: Field names ``tokens_field="auto"`` looks for, in this order.
 AUTO_TOKEN_FIELDS = ("input_ids", "tokens", "token_ids", "ids")
 
-# Output names this function generates itself; extra fields may not shadow them.
-_GENERATED = frozenset({
-    "ids", "texts", "input_ids", "labels", "positions", "num_valid_tokens",
-    "loss_mask", "cu_seqlens", "max_seqlen", "padding_mask",
-})
 _INT32_MAX = 2**31 - 1
 
 
@@ -74,7 +69,8 @@ def batch_to_training(
     extra_fields = _validate_options(
         return_labels=return_labels, extra_fields=extra_fields,
         exclude_fields=exclude_fields, return_num_valid_tokens=return_num_valid_tokens,
-        return_loss_mask=return_loss_mask, eos_mask_loss=eos_mask_loss,
+        return_loss_mask=return_loss_mask, return_cu_seqlens=return_cu_seqlens,
+        return_padding_mask=return_padding_mask, eos_mask_loss=eos_mask_loss,
         eos_token_id=eos_token_id, position_mode=position_mode,
     )
     fmt = _output_format(dtype, device, pin_memory)
@@ -114,10 +110,10 @@ def batch_to_training(
     out["input_ids"] = emit.seq(inputs)
 
     padding = batch.padding_lengths() if return_labels or return_padding_mask else None
-    loss_rows = batch.field_rows("loss_mask", required=False)
+    loss_rows = batch.field_rows("loss_mask", required=False, scalar=True)
     position_rows = None
     if position_mode == "preserve" or return_cu_seqlens:
-        position_rows = batch.field_rows("positions", required=return_cu_seqlens)
+        position_rows = batch.field_rows("positions", required=return_cu_seqlens, scalar=True)
 
     labels = None
     if return_labels:
@@ -172,8 +168,8 @@ def batch_to_training(
 
 def _validate_options(
     *, return_labels: bool, extra_fields: Sequence[str], exclude_fields: Sequence[str],
-    return_num_valid_tokens: bool, return_loss_mask: bool, eos_mask_loss: bool,
-    eos_token_id: Any, position_mode: str,
+    return_num_valid_tokens: bool, return_loss_mask: bool, return_cu_seqlens: bool,
+    return_padding_mask: bool, eos_mask_loss: bool, eos_token_id: Any, position_mode: str,
 ) -> tuple[str, ...]:
     if isinstance(exclude_fields, str):
         raise TypeError(
@@ -221,14 +217,46 @@ def _validate_options(
             "payload loss_mask is applied to the labels automatically, and "
             "return_loss_mask=True returns the label-aligned mask"
         )
+    generated = _generated_fields(
+        return_labels=return_labels, return_num_valid_tokens=return_num_valid_tokens,
+        return_cu_seqlens=return_cu_seqlens, return_padding_mask=return_padding_mask,
+        position_mode=position_mode,
+    )
     for name in extra:
-        shadows = name in _GENERATED and name not in ("positions", "loss_mask")
-        if shadows or (name == "positions" and position_mode == "sequence"):
+        why = generated.get(name)
+        if why is not None:
             raise ValueError(
-                f"extra field {name!r} would overwrite the generated output field {name!r}; "
-                "rename the payload field"
+                f"extra field {name!r} would overwrite the generated output field {name!r} "
+                f"({why}); rename the payload field, or leave it out of extra_fields"
             )
     return extra
+
+
+def _generated_fields(
+    *, return_labels: bool, return_num_valid_tokens: bool, return_cu_seqlens: bool,
+    return_padding_mask: bool, position_mode: str,
+) -> dict[str, str]:
+    """The output names this call generates itself, each with the reason.
+
+    An extra field may carry any other name: ``labels`` without
+    ``return_labels`` is just a payload field. ``positions`` (in "preserve"
+    mode) and a raw ``loss_mask`` (without labels) are payload fields that are
+    surfaced anyway, so listing them is harmless; a label-aligned ``loss_mask``
+    needs ``return_labels``, where listing it is refused earlier.
+    """
+    generated = {name: "always generated" for name in ("ids", "texts", "input_ids")}
+    if return_labels:
+        generated["labels"] = "generated because return_labels=True"
+    if return_num_valid_tokens:
+        generated["num_valid_tokens"] = "generated because return_num_valid_tokens=True"
+    if return_cu_seqlens:
+        for name in ("cu_seqlens", "max_seqlen"):
+            generated[name] = "generated because return_cu_seqlens=True"
+    if return_padding_mask:
+        generated["padding_mask"] = "generated because return_padding_mask=True"
+    if position_mode == "sequence":
+        generated["positions"] = "generated because position_mode='sequence'"
+    return generated
 
 
 def _empty_output(
@@ -470,6 +498,9 @@ class _Gathered:
         field_name = tokens_field
         if tokens_field == "auto" and isinstance(payloads[0], dict):
             field_name = _detect_token_field(payloads[0])
+        #: Where the tokens come from, for messages: a field, or the payloads themselves.
+        self.token_source = (f"token field {field_name!r}" if isinstance(payloads[0], dict)
+                             else "token array")
         rows = self._fast_rows(field_name)
         if rows is None:
             rows = self._checked_token_rows(field_name)
@@ -496,11 +527,13 @@ class _Gathered:
     def _checked_token_rows(self, field_name: str) -> list[np.ndarray]:
         """Every other case, with the checks that name the offending record."""
         records, payloads = self.records, self.payloads
+        dicts = isinstance(payloads[0], dict)
         rows = []
         for record, payload in zip(records, payloads):
+            if isinstance(payload, dict) != dicts and (
+                    isinstance(payload, dict) or _is_token_array(payload)):
+                _refuse_mixed_payloads(records[0], record)
             if isinstance(payload, dict):
-                if field_name == "auto":  # the first payload was an array
-                    field_name = _detect_token_field(payload)
                 row = payload.get(field_name)
                 if row is None:
                     raise ValueError(
@@ -564,11 +597,14 @@ class _Gathered:
             pads.append(pad)
         return pads
 
-    def field_rows(self, name: str, *, required: bool) -> list[np.ndarray] | None:
+    def field_rows(self, name: str, *, required: bool, scalar: bool = False
+                   ) -> list[np.ndarray] | None:
         """The rows of a per-token field, checked aligned with the tokens.
 
         Returns None when no payload has the field and it is not required; a
-        field present in some payloads but not all is an error.
+        field present in some payloads but not all is an error. A ``scalar``
+        field (positions, a loss mask) holds exactly one value per token; other
+        fields may carry trailing dimensions (``[S, D]``).
         """
         if all(type(p) is dict for p in self.payloads):
             rows = [p.get(name) for p in self.payloads]
@@ -587,12 +623,27 @@ class _Gathered:
         for i, (row, tokens) in enumerate(zip(rows, self.tokens)):
             if type(row) is not np.ndarray:
                 rows[i] = row = _as_array(row)
-            if row.shape[:1] != tokens.shape:
+            if (row.shape if scalar else row.shape[:1]) != tokens.shape:
+                expected = f"({len(tokens)},)" if scalar else f"({len(tokens)}, ...)"
+                what = "one value per token" if scalar else "its first dimension one per token"
                 raise ValueError(
                     f"record {self.records[i].meta.sample_id}: field {name!r} has shape "
-                    f"{row.shape}, misaligned with its {len(tokens)} tokens"
+                    f"{row.shape}, misaligned with the {self.token_source} of shape "
+                    f"{tokens.shape}; it must have shape {expected}, {what}"
                 )
         return rows
+
+
+def _refuse_mixed_payloads(first: Any, other: Any) -> None:
+    def kind(payload: Any) -> str:
+        return "dict" if isinstance(payload, dict) else f"{type(payload).__name__} (an array)"
+
+    raise TypeError(
+        f"payloads are neither all dicts nor all arrays: record {first.meta.sample_id} holds "
+        f"a {kind(first.payload)} and record {other.meta.sample_id} a {kind(other.payload)}; "
+        "to_training reads one kind per batch, so give every record a dict payload (the "
+        "token ids under one field, e.g. 'input_ids') or every record a 1-D array of token ids"
+    )
 
 
 def _detect_token_field(payload: dict) -> str:

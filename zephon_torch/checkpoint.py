@@ -32,10 +32,22 @@ boundary ``B`` between ``o2`` and ``n1``::
 and for a cross-epoch batch ``[o1 o2 n1]`` (cursor ``n1``): the epoch of
 ``o*`` is complete, so the window starts at ``B``; replay drops ``n1`` and
 the next batch is ``[n2 n3 n4]``, as live.
+
+**Data.** The fingerprint's ``datasets`` part covers each dataset's options
+and its shards' names and sample counts; its ``data`` part holds, per
+dataset, the content table of its shards (size and content digest of each
+file, see :func:`~zephon_torch.sources.base.content_table`). A resume on
+files rewritten in place (same names and line counts, other content) would
+deliver some documents twice and others never, so it is refused, naming the
+file, unless the state went through :func:`accept_changed_data`. States
+saved before content tables existed have no ``data`` part and load as they
+did (their content cannot be checked).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -44,22 +56,52 @@ from typing import Any
 
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
+from zephon_torch.sources.base import parse_content_table
 from zephon_torch.sources.schedule import Chunk, ScheduleState
 from zephon_torch.types import SampleBatch, SampleRecord
 
 __all__ = [
+    "ACCEPT_CHANGED_DATA",
     "STATE_VERSION",
+    "NotCheckpointableError",
     "ProgressTracker",
     "ReplayFilter",
+    "accept_changed_data",
     "check_state",
     "fingerprint_parts",
     "key_from_json",
     "merge_states",
+    "refuse_nondeterministic",
     "state_checksum",
 ]
 
 #: Format version of :meth:`PipelineIterator.state_dict` states.
 STATE_VERSION = 1
+#: The key :func:`accept_changed_data` sets in a state.
+ACCEPT_CHANGED_DATA = "accept_changed_data"
+
+
+class NotCheckpointableError(RuntimeError):
+    """An iterator whose position cannot be saved or restored exactly.
+
+    Raised by ``state_dict()`` and ``load_state_dict()`` of iterators (and
+    loaders) made with ``deterministic=False``: see :func:`refuse_nondeterministic`.
+    """
+
+
+def refuse_nondeterministic(action: str) -> NotCheckpointableError:
+    """The error for ``action`` (``"state_dict()"``, ...) under ``deterministic=False``."""
+    # Why the position cannot be exact: replay regenerates the window's records and
+    # drops those up to the saved cursor, which only works if they come in the order
+    # they came live. Completion order and latency flushes make that order (and the
+    # batches cut from it) differ from run to run.
+    return NotCheckpointableError(
+        f"{action} is not available with deterministic=False: in that mode the stages "
+        "forward results in completion order and may flush on a timer, so the order of the "
+        "items (and the batches cut from them) differs from run to run, and no saved position "
+        "can be replayed exactly. Iterate with deterministic=True (the default) to save and "
+        "resume checkpoints"
+    )
 
 
 # ---------------------------------------------------------------------------- progress
@@ -396,17 +438,51 @@ class ReplayFilter(Operator):
 # ---------------------------------------------------------------------------- states
 
 
-def fingerprint_parts(fingerprint: Mapping[str, Any]) -> dict[str, str]:
-    """A short digest per part of a fingerprint (so a mismatch can say what differs)."""
+def fingerprint_parts(fingerprint: Mapping[str, Any],
+                      stage_names: Sequence[str] | None = None) -> dict[str, Any]:
+    """A short digest per part of a fingerprint (so a mismatch can say what differs).
+
+    Besides the digests, which decide whether two configurations match, each
+    operator's parameters are kept as *details* (``"ops[i].<param>"``: the
+    value's JSON text when short, else a digest; ``"ops[i].op"``: the class
+    path; ``"ops[i]#name"``: the stage name when ``stage_names`` is given), so
+    that a mismatch can name the operator and the parameter that changed.
+    Details are never compared: the digests decide. The ``data`` part is no
+    digest but the datasets' content tables (see :func:`_dataset_parts`), so
+    that a change can name the file.
+    """
     parts = {}
     for key, value in fingerprint.items():
         if key == "ops":
             for i, op in enumerate(value):
                 parts[f"ops[{i}]"] = _digest(op)
+                if isinstance(op, Mapping):
+                    for param, setting in op.items():
+                        # The class path stays whole: it names the operator in messages.
+                        parts[f"ops[{i}].{param}"] = (str(setting) if param == "op"
+                                                      else _shown(setting))
+                if stage_names is not None and i < len(stage_names):
+                    parts[f"ops[{i}]#name"] = str(stage_names[i])
             parts["ops.count"] = str(len(value))
+        elif key == "datasets":
+            parts.update(_dataset_parts(value))
         else:
             parts[key] = _digest(value)
     return parts
+
+
+def _dataset_parts(datasets: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``datasets`` and ``data`` parts of a fingerprint (see the module doc).
+
+    ``datasets`` digests everything but the content tables, exactly as it did
+    before they existed, so older states still match; ``data`` keeps each
+    dataset's options digest and content table as they are, so that a
+    mismatch can name the shard.
+    """
+    structure = [{k: v for k, v in d.items() if k != "content"} for d in datasets]
+    data = [{"options": _digest({k: v for k, v in d.items() if k not in ("shards", "content")}),
+             "shards": d.get("content")} for d in datasets]
+    return {"datasets": _digest(structure), "data": data}
 
 
 def _digest(value: Any) -> str:
@@ -414,14 +490,77 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+#: Parameter values longer than this (as JSON) are kept as a digest in a state.
+_SHOWN_LENGTH = 40
+_DIGEST_MARK = "sha256:"
+
+
+def _shown(value: Any) -> str:
+    """A parameter's value as a state keeps it: its JSON text, or a digest if long."""
+    text = json.dumps(value, sort_keys=True, default=str)
+    if len(text) <= _SHOWN_LENGTH:
+        return text
+    return _DIGEST_MARK + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _is_detail(key: str) -> bool:
+    """Whether a fingerprint part is an operator detail (kept for messages, never compared)."""
+    return key.startswith("ops[") and not key.endswith("]")
+
+
+def _lane_key_problem(lanes: Mapping[Any, Any]) -> str | None:
+    """What is wrong with a state's lane keys (they must be strings), or None."""
+    bad = [key for key in lanes if not isinstance(key, str)]
+    if not bad:
+        return None
+    with contextlib.suppress(TypeError):  # keys of several types do not sort
+        bad = sorted(bad)
+    kinds = ", ".join(sorted({type(key).__name__ for key in bad}))
+    return (
+        f"lane keys must be strings as state_dict() writes them ('0', '1', ...); this state "
+        f"has {kinds} key(s) {bad!r} (did a serializer turn the JSON object keys into "
+        "numbers?). Turn them back with state['lanes'] = {str(k): v for k, v in "
+        "state['lanes'].items()} and load it again"
+    )
+
+
 def state_checksum(state: Mapping[str, Any]) -> str:
-    """Checksum of a state's content (everything but the checksum itself)."""
+    """Checksum of a state's content (everything but the checksum itself).
+
+    Raises:
+        ValueError: The content cannot be written as JSON (lane keys that are
+            not strings, values that are not builtins).
+    """
     body = {k: v for k, v in state.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    try:
+        text = json.dumps(body, sort_keys=True)
+    except (TypeError, ValueError) as exc:  # keys that do not sort, objects JSON lacks
+        lanes = body.get("lanes")
+        problem = _lane_key_problem(lanes) if isinstance(lanes, Mapping) else None
+        raise ValueError(
+            f"corrupted state: {problem}" if problem else
+            f"corrupted state: its content is not plain JSON ({type(exc).__name__}: {exc}); "
+            "pass the dict state_dict() returned, or json.load of it"
+        ) from exc
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
-def check_state(state: Any, fingerprint: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate a state against this pipeline; raise ValueError saying what is wrong."""
+def check_state(state: Any, fingerprint: Mapping[str, Any], *,
+                stage_names: Sequence[str] | None = None,
+                deterministic: bool = True) -> dict[str, Any]:
+    """Validate a state against this pipeline; raise ValueError saying what is wrong.
+
+    Args:
+        state: The state to load.
+        fingerprint: The pipeline's ``fingerprint()``.
+        stage_names: The pipeline's stage names, to name a changed operator.
+        deterministic: The mode of the iterator that will resume the state.
+
+    Raises:
+        ValueError: The state is corrupted, was saved by another
+            configuration or under ``deterministic=False``.
+        NotCheckpointableError: ``deterministic`` is False.
+    """
     if not isinstance(state, Mapping):
         raise ValueError(f"corrupted state: expected a dict, got {type(state).__name__}")
     version = state.get("version")
@@ -430,24 +569,42 @@ def check_state(state: Any, fingerprint: Mapping[str, Any]) -> dict[str, Any]:
             f"unknown state version {version!r}; this zephon_torch reads version "
             f"{STATE_VERSION}"
         )
+    _check_mode(state)
+    if not deterministic:
+        raise refuse_nondeterministic("load_state_dict()")
     for key, kind in (("lanes", dict), ("fingerprint", dict), ("checksum", str),
                       ("num_lanes", int)):
         if not isinstance(state.get(key), kind):
             raise ValueError(f"corrupted state: {key!r} is missing or not a {kind.__name__}")
+    problem = _lane_key_problem(state["lanes"])
+    if problem:
+        raise ValueError(f"corrupted state: {problem}; nothing was loaded")
     if state["checksum"] != state_checksum(state):
         raise ValueError(
             "corrupted state: the checksum does not match its content (a truncated or edited "
             "checkpoint?); nothing was loaded"
         )
-    mine = fingerprint_parts(fingerprint)
+    mine = fingerprint_parts(fingerprint, stage_names)
     theirs = state["fingerprint"]
-    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if not all(isinstance(key, str) for key in theirs):
+        raise ValueError("corrupted state: the fingerprint's keys must be strings; nothing was "
+                         "loaded")
+    differ = sorted(k for k in set(mine) | set(theirs)
+                    if k != "data" and not _is_detail(k) and mine.get(k) != theirs.get(k))
     if differ:
+        named = [_describe_ops_part(k, mine, theirs) if k.startswith("ops") else k
+                 for k in differ]
+        detail = (_datasets_detail(mine.get("data"), theirs.get("data"), fingerprint)
+                  if "datasets" in differ else "")
         raise ValueError(
-            f"the state was saved by a different pipeline configuration: {', '.join(differ)} "
-            "differ(s). Resume with the same sources, operators, num_lanes, chunk_size, seed "
-            "and flush_every_k_chunks"
+            f"the state was saved by a different pipeline configuration: {', '.join(named)} "
+            f"differ(s){detail}. Resume with the same sources, operators, num_lanes, "
+            "chunk_size, seed and flush_every_k_chunks"
         )
+    if "data" in theirs and state.get(ACCEPT_CHANGED_DATA) is not True:
+        changed = _data_changes(mine.get("data"), theirs["data"], fingerprint)
+        if changed:
+            raise ValueError(changed)
     for lane, entry in state["lanes"].items():
         if (not str(lane).isdigit() or int(lane) >= state["num_lanes"]
                 or not isinstance(entry, Mapping)):
@@ -462,6 +619,237 @@ def check_state(state: Any, fingerprint: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"corrupted state: lane {lane}: {problem}; nothing was loaded "
                              "(resume from another checkpoint)")
     return dict(state)
+
+
+def _check_mode(state: Mapping[str, Any], where: str = "") -> None:
+    """Refuse a state saved under ``deterministic=False`` (states without the key predate it)."""
+    mode = state.get("deterministic", True)
+    if mode is True:
+        return
+    if mode is not False:
+        raise ValueError(f"corrupted state: {where}'deterministic' must be true or false, got "
+                         f"{mode!r}; nothing was loaded")
+    raise ValueError(
+        f"{where}the state was saved by an iterator with deterministic=False, whose position "
+        "cannot be replayed exactly (results went out in completion order), so it cannot be "
+        "resumed: it records the mode, not a position. Start afresh, or resume from a "
+        "checkpoint saved with deterministic=True"
+    )
+
+
+def _describe_ops_part(key: str, mine: Mapping[str, str], theirs: Mapping[str, Any]) -> str:
+    """A differing operators part, named: which operator, and which parameters changed how.
+
+    ``mine`` holds this pipeline's parts, ``theirs`` the state's; values read
+    ``state's -> this pipeline's``.
+    """
+    if key == "ops.count":
+        return f"ops.count ({theirs.get(key)} operators -> {mine.get(key)})"
+    index = key[len("ops["):-1]
+    if key != f"ops[{index}]" or not index.isdigit():
+        return key
+    prefix = f"{key}."
+    here = {k[len(prefix):]: v for k, v in mine.items() if k.startswith(prefix)}
+    there = {k[len(prefix):]: str(v) for k, v in theirs.items() if k.startswith(prefix)}
+    if key not in theirs:
+        return f"{key} {_op_label(key, mine)} (not in the state's pipeline)"
+    if key not in mine:
+        label = _op_label(key, theirs)
+        return f"{key} (only in the state's pipeline{': ' + label if label else ''})"
+    label = _op_label(key, mine)
+    if not there:  # a state saved before operators' details were kept
+        return f"{key} {label} (its parameters)"
+    if there.get("op") != here.get("op"):
+        return f"{key} {label} (the operator was {_op_label(key, theirs)})"
+    changes = []
+    for param in sorted((set(here) | set(there)) - {"op"}):
+        old, new = there.get(param), here.get(param)
+        if old == new:
+            continue
+        if old is None or new is None:
+            changes.append(f"{param} {'added' if old is None else 'removed'}")
+        elif old.startswith(_DIGEST_MARK) or new.startswith(_DIGEST_MARK):
+            changes.append(f"{param} changed")
+        else:
+            changes.append(f"{param} {old} -> {new}")
+    return f"{key} {label} ({', '.join(changes) or 'its parameters'})"
+
+
+def _op_label(key: str, parts: Mapping[str, Any]) -> str:
+    """Operator ``key``'s name (``"ops[i]"``) from parts: the stage name, else the class name."""
+    name = parts.get(f"{key}#name")
+    if name:
+        return str(name)
+    return str(parts.get(f"{key}.op", "")).rsplit(".", 1)[-1]
+
+
+def _dataset_tables(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]
+                    ) -> list[tuple[str, list[str], Any, Any]] | None:
+    """Per dataset: (label, current shard names, current entries, saved entries).
+
+    Entries are None where a dataset has no content table. None overall when
+    the state has no usable ``data`` part (an older state).
+
+    Raises:
+        ValueError: The state's ``data`` part is malformed.
+    """
+    if not isinstance(theirs, list) or not isinstance(mine, list):
+        return None
+    described = fingerprint.get("datasets") or []
+    out = []
+    for i, (now, then) in enumerate(zip(mine, theirs)):
+        if not (isinstance(then, Mapping) and isinstance(then.get("options"), str)
+                and isinstance(then.get("shards"), (str, type(None)))):
+            raise ValueError(f"corrupted state: its fingerprint's 'data' entry {i} is "
+                             "malformed; nothing was loaded (resume from another checkpoint)")
+        info = described[i] if i < len(described) else {}
+        label = f"dataset {info.get('name', '?')!r} (datasets[{i}])"
+        names = [str(s[0]) for s in info.get("shards", [])]
+        try:
+            entries = (None if now["shards"] is None else parse_content_table(now["shards"]),
+                       None if then["shards"] is None else parse_content_table(then["shards"]))
+        except ValueError:
+            raise ValueError(f"corrupted state: the content table of {label} is malformed; "
+                             "nothing was loaded (resume from another checkpoint)") from None
+        out.append((label, names, *entries))
+    return out
+
+
+def _datasets_detail(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]) -> str:
+    """What differs in the datasets' structure, naming datasets and shards ("" if unknown)."""
+    tables = _dataset_tables(mine, theirs, fingerprint)
+    if tables is None:
+        return ""
+    notes = []
+    if len(mine) != len(theirs):
+        notes.append(f"the state has {len(theirs)} dataset(s), this pipeline {len(mine)}")
+    for (label, names, now, then), m, t in zip(tables, mine, theirs):
+        what = []
+        if m["options"] != t["options"]:
+            what.append("its options differ (kind, name, component_id, passes, columns or "
+                        "field)")
+        if now is not None and then is not None:
+            what.extend(_shard_differences(names, now, then))
+        if what:
+            notes.append(f"{label}: {'; '.join(what)}")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _shard_differences(names: list[str], now: list[Any], then: list[Any]) -> list[str]:
+    """How two content tables differ in shard names and sample counts."""
+    if [(e.name_tag, e.samples) for e in now] == [(e.name_tag, e.samples) for e in then]:
+        return []
+    named = [names[k] if k < len(names) else f"shard {k}" for k in range(len(now))]
+    saved = {e.name_tag: e for e in then}
+    current = {e.name_tag for e in now}
+    what = []
+    if len(now) != len(then):
+        what.append(f"{len(then)} shard(s) in the state, {len(now)} now")
+    new = [repr(named[k]) for k, e in enumerate(now) if e.name_tag not in saved]
+    if new:
+        what.append(f"new: {', '.join(new[:3])}{' ...' if len(new) > 3 else ''}")
+    gone = sum(1 for e in then if e.name_tag not in current)
+    if gone:
+        what.append(f"{gone} shard(s) of the state are gone (renamed or removed)")
+    counts = [f"{named[k]!r} has {e.samples} samples, {saved[e.name_tag].samples} in the state"
+              for k, e in enumerate(now)
+              if e.name_tag in saved and saved[e.name_tag].samples != e.samples]
+    what.extend(counts[:3])
+    if len(counts) > 3:
+        what.append(f"and {len(counts) - 3} more shard(s) with other sample counts")
+    if not what:
+        what.append("its shards are in another order")
+    return what
+
+
+def _data_changes(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]) -> str | None:
+    """The "data changed" message when a shard's size or content differs, else None."""
+    tables = _dataset_tables(mine, theirs, fingerprint)
+    changes = []
+    for label, names, now, then in tables or ():
+        if now is None or then is None:
+            continue
+        for k, (a, b) in enumerate(zip(now, then)):
+            if a.size is not None and b.size is not None and a.size != b.size:
+                what = f"{b.size} bytes then, {a.size} now"
+            elif a.digest is not None and b.digest is not None and a.digest != b.digest:
+                what = (f"same size ({a.size} bytes) and {a.samples} samples, other content "
+                        "(its first or last bytes, or where its lines start, changed)")
+            else:
+                continue
+            name = names[k] if k < len(names) else f"shard {k}"
+            changes.append(f"{label} shard {k} {name!r}: {what}")
+    if not changes:
+        return None
+    more = f"; and {len(changes) - 3} more shard(s)" if len(changes) > 3 else ""
+    return (
+        f"the data changed since the state was saved: {'; '.join(changes[:3])}{more}. The "
+        "files were rewritten in place (same names and sample counts); resuming on them would "
+        "deliver some documents twice and never deliver others. Restore the files the state "
+        "was saved with, or, to resume on the changed data anyway, accepting those duplicates "
+        "and omissions, load zephon_torch.checkpoint.accept_changed_data(state) instead"
+    )
+
+
+def accept_changed_data(state: Any) -> Any:
+    """A copy of ``state`` that resumes even though the data changed since it was saved.
+
+    Loading a state checks each file's size and content digest against the
+    data now on disk (see the module doc) and refuses a resume on rewritten
+    files. This marks the state so that check is skipped. The consequence is
+    yours: the replayed window and the rest of the pass read the files as
+    they are now, so documents that moved may be delivered twice or never
+    (shard names, sample counts and the configuration must still match).
+
+    ``state`` may be a pipeline state or anything holding some: a merged
+    state, a ``zephon_torch.DataLoader`` or torchdata ``StatefulDataLoader``
+    checkpoint, a ``ZephonDataModule`` state, a whole Lightning checkpoint.
+    Every pipeline state inside is marked (with a fresh checksum); containers
+    on the way to one are copied, everything else (model weights, for
+    instance) is shared, not copied.
+
+    Example:
+        >>> it.load_state_dict(accept_changed_data(saved))  # doctest: +SKIP
+
+    Raises:
+        ValueError: There is no pipeline state inside, or one is corrupted
+            (its checksum does not match).
+    """
+    found = 0
+
+    def mark(value: Any) -> Any:
+        nonlocal found
+        if isinstance(value, Mapping) and {"version", "fingerprint", "lanes", "checksum"} <= set(
+                value):
+            if value.get("checksum") != state_checksum(value):
+                raise ValueError("accept_changed_data: corrupted state: the checksum does not "
+                                 "match its content; nothing was marked")
+            found += 1
+            marked = {k: v for k, v in value.items() if k != "checksum"}
+            marked[ACCEPT_CHANGED_DATA] = True
+            marked["checksum"] = state_checksum(marked)
+            return marked
+        if isinstance(value, Mapping):
+            out = None
+            for key, item in value.items():
+                new = mark(item)
+                if new is not item:
+                    if out is None:
+                        out = copy.copy(value) if isinstance(value, dict) else dict(value)
+                    out[key] = new
+            return value if out is None else out
+        if isinstance(value, (list, tuple)):
+            items = [mark(item) for item in value]
+            if all(a is b for a, b in zip(items, value)):
+                return value
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+    result = mark(state)
+    if not found:
+        raise ValueError("accept_changed_data: no pipeline state in the value given; pass a "
+                         "state_dict() or a checkpoint holding one")
+    return result
 
 
 def _ints(value: Any, minimum: int = 1) -> bool:
@@ -506,9 +894,14 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     first = states[0]
     lanes: dict[str, Any] = {}
     for i, state in enumerate(states):
+        _check_mode(state, f"merge_states: state {i}: ")
         for key in ("version", "fingerprint", "num_lanes"):
             if state.get(key) != first.get(key):
                 raise ValueError(f"merge_states: state {i} has a different {key!r}")
+        problem = _lane_key_problem(state["lanes"]) if isinstance(state.get("lanes"),
+                                                                   Mapping) else None
+        if problem:
+            raise ValueError(f"merge_states: state {i}: {problem}")
         if state.get("checksum") != state_checksum(state):
             raise ValueError(f"merge_states: state {i} is corrupted (checksum mismatch)")
         for lane, entry in state["lanes"].items():
@@ -517,10 +910,13 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             lanes[lane] = entry
     merged = {
         "version": first["version"],
+        "deterministic": True,  # _check_mode refused any other
         "fingerprint": first["fingerprint"],
         "num_lanes": first["num_lanes"],
         "lanes": dict(sorted(lanes.items(), key=lambda kv: int(kv[0]))),
         "round_robin": None,  # a merged state has no single rank's position
     }
+    if all(state.get(ACCEPT_CHANGED_DATA) is True for state in states):
+        merged[ACCEPT_CHANGED_DATA] = True
     merged["checksum"] = state_checksum(merged)
     return merged

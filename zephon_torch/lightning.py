@@ -153,12 +153,13 @@ class _TrainStream(ZephonStream):
         # Right after iter() the loader reports where this iteration starts: the
         # loaded state, or the beginning of a new pass.
         self._waiting.clear()
-        self._received = self.loader.state_dict()
+        # deterministic=False cannot checkpoint: nothing to remember, and state_dict() says why.
+        self._received = self.loader.state_dict() if self.loader.checkpointable else None
         self._exhausted = False
         return generation, iterator
 
     def _handed(self, generation: int) -> None:
-        if generation == self._generation:
+        if generation == self._generation and self.loader.checkpointable:
             self._waiting.append(self.loader.state_dict())
 
     def _ended(self, generation: int) -> None:

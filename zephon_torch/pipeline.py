@@ -326,13 +326,25 @@ class Pipeline:
         return self.apply(Filter(predicate))
 
     def pack_sequences(self, max_length: int, **kwargs: Any) -> Pipeline:
-        """Bins of whole segments: payload ``{"packed_samples": [...]}``."""
+        """Bins of whole segments: payload ``{"packed_samples": [...]}``.
+
+        Keywords as :class:`~zephon_torch.ops.packing.PackSequences`: ``num_bins``,
+        ``algorithm`` (``"first_fit"``, ``"best_fit"``, ``"wrap"``,
+        ``"best_fit_decreasing"`` with ``bfd_window``), ``tokens_field``,
+        ``min_sequence_length``, ``oversized``.
+        """
         from zephon_torch.ops.packing import PackSequences
 
         return self.apply(PackSequences(max_length, **kwargs))
 
     def pack_flat(self, max_length: int, **kwargs: Any) -> Pipeline:
-        """Flat rows of exactly ``max_length`` tokens with positions and padding length."""
+        """Flat rows of exactly ``max_length`` tokens with positions and padding length.
+
+        Keywords as :class:`~zephon_torch.ops.packing.PackFlat`: ``num_bins``,
+        ``algorithm`` (``"first_fit"``, ``"best_fit"``, ``"wrap"``,
+        ``"best_fit_decreasing"`` with ``bfd_window``), ``tokens_field``,
+        ``pad_token_id``, ``emit_positions``, ``min_sequence_length``, ``oversized``.
+        """
         from zephon_torch.ops.packing import PackFlat
 
         return self.apply(PackFlat(max_length, **kwargs))

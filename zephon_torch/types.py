@@ -558,8 +558,8 @@ class SampleBatch:
             ``loss_mask``, ``cu_seqlens``, ``max_seqlen``, ``padding_mask``.
 
         Raises:
-            TypeError: Payloads neither dicts nor arrays; ``exclude_fields``
-                given as a string.
+            TypeError: Payloads neither dicts nor arrays, or a mix of both;
+                ``exclude_fields`` given as a string.
             ValueError: Any inconsistent request or data (see the docs page
                 for the full list); messages name the record and the field.
 

@@ -18,9 +18,12 @@ JSON objects holding a string ``field``; ``"text"`` files become
 
 Nothing is dropped silently. A document whose text is empty or only
 whitespace becomes a tombstone tagged ``"empty"``; a bad line (invalid
-UTF-8, malformed JSON, not an object, missing or non-string field) is a
-``ValueError`` naming the file and line, or, when the source or the operator
-says ``on_error="skip"``, a tombstone tagged ``"decode_error"``.
+UTF-8, malformed JSON, JSON that Python refuses to load such as an integer
+of more than 4,300 digits or brackets nested too deeply, not an object,
+missing or non-string field, a text holding a lone UTF-16 surrogate such as
+``"\\ud83d"`` that no tokenizer can encode) is a ``ValueError`` naming the
+file and line, or, when the source or the operator says
+``on_error="skip"``, a tombstone tagged ``"decode_error"``.
 
 ``fetch`` treats a read that fails (a corrupt Parquet row group, a file
 removed since the pipeline was built) the same way: a ``ValueError`` naming
@@ -37,6 +40,8 @@ Both operators find datasets in ``ctx.plan["datasets"]`` (dataset id ->
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from operator import attrgetter, itemgetter
 from typing import Any, ClassVar, Literal
@@ -44,6 +49,7 @@ from typing import Any, ClassVar, Literal
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.sources.base import POINTER, Dataset, is_pointer
+from zephon_torch.sources.readers import DataChangedError
 from zephon_torch.types import SampleRecord
 
 __all__ = ["DecodeText", "Fetch"]
@@ -154,6 +160,8 @@ class Fetch(Operator):
         failed = False
         try:
             raws = dataset.read(shard_id, local_ids)
+        except DataChangedError:
+            raise  # a stale view of a rewritten file: never a skipped sample
         except Exception as exc:  # a damaged file: name it, or skip what cannot be read
             raws, failed = self._read_failed(dataset, shard_id, local_ids, exc), True
         if len(raws) != len(local_ids):
@@ -225,7 +233,8 @@ class DecodeText(Operator):
             ``field`` is used while this stays ``"text"``).
         on_error: ``"skip"`` turns bad samples into ``"decode_error"``
             tombstones whatever the dataset says; ``"raise"`` (the default)
-            defers to the dataset's ``on_error``.
+            defers to the dataset's ``on_error``. (The tokenizing operators
+            take their own ``on_error``; the dataset's does not reach them.)
         placement: ``"local"``, ``"remote"`` or a ``Remote(...)`` (see
             :class:`Fetch`).
 
@@ -301,6 +310,9 @@ class DecodeText(Operator):
                 text = value[field]
                 if not text or (isinstance(text, str) and text.isspace()):
                     return tombstone(record, "empty")
+                if raw_format == "text" and isinstance(payload, str) and not text.isascii():
+                    # Strict UTF-8 decoding cannot yield a surrogate; a str can.
+                    _check_unicode(text, field)
                 return SampleRecord(meta, value)
             return record  # token arrays and other payloads are already decoded
         except _DecodeError as exc:
@@ -315,10 +327,7 @@ class DecodeText(Operator):
                              ) from exc.__cause__
 
     def _parse_json(self, payload: bytes | bytearray | memoryview | str) -> dict[str, Any]:
-        try:
-            value = json.loads(_as_text(payload))
-        except json.JSONDecodeError as exc:
-            raise _DecodeError(f"malformed JSON ({exc})") from exc
+        value = _loads(_as_text(payload))
         if not isinstance(value, dict):
             raise _DecodeError(f"the JSON line is a {type(value).__name__}, not an object")
         if self.field not in value:
@@ -330,6 +339,9 @@ class DecodeText(Operator):
             raise _DecodeError(f"field {self.field!r} is a "
                                f"{type(value[self.field]).__name__}, not a string (or a list "
                                "of chat messages)")
+        text = value[self.field]
+        if not (type(text) is str and text.isascii()):  # an ASCII text cannot hold one
+            _check_unicode(text, self.field)
         return value
 
     def _lookup(self, dataset_id: int) -> Dataset | None:
@@ -355,13 +367,95 @@ def _last_line_hint(dataset: Dataset | None, sample_id: tuple[int, int, int],
             if fh.tell() == 0:
                 return ""
             fh.seek(-1, 2)
-            ends_with_newline = fh.read(1) == b"\n"
+            ends_with_newline = fh.read(1) in (b"\n", b"\r")  # "\r": an old Mac file
     except (OSError, IndexError):
         return ""
     if ends_with_newline or path.endswith((".gz", ".zst")):
         return ""
     return (", the file's last line, which has no line ending: the file looks truncated "
             "(cut off while it was written or copied)")
+
+
+def _loads(text: str) -> Any:
+    """``json.loads`` of one line; what Python cannot load becomes a :class:`_DecodeError`."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        pass  # retried below, once this stack has unwound
+    except ValueError as exc:  # JSONDecodeError, or valid JSON Python refuses
+        raise _json_failure(exc) from exc
+    # How deep the caller's stack happens to be must not decide whether a
+    # deeply nested line loads (runners call from different depths): parse it
+    # again at the bottom of a fresh thread's stack, so the outcome depends on
+    # the line alone.
+    return _loads_on_a_fresh_stack(text)
+
+
+def _loads_on_a_fresh_stack(text: str) -> Any:
+    """``json.loads`` in a new thread (whose stack starts empty), for deep nesting."""
+    outcome: list[Any] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(json.loads(text))
+        except (ValueError, RecursionError) as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=attempt, name="zephon-decode-deep-json", daemon=True)
+    worker.start()
+    worker.join()
+    result = outcome[0] if outcome else RuntimeError("the parsing thread stopped early")
+    if isinstance(result, BaseException):
+        raise _json_failure(result) from result
+    return result
+
+
+def _json_failure(exc: BaseException) -> _DecodeError:
+    """What to say about a line ``json.loads`` could not load."""
+    if isinstance(exc, json.JSONDecodeError):
+        return _DecodeError(f"malformed JSON ({exc})")
+    if isinstance(exc, RecursionError):
+        return _DecodeError(
+            "JSON nested too deeply for Python to load (it stops near "
+            f"{sys.getrecursionlimit()} levels of brackets: {exc})")
+    # Valid JSON that Python refuses, such as an integer of more than 4,300 digits.
+    return _DecodeError(f"JSON that Python refuses to load ({type(exc).__name__}: {exc})")
+
+
+_NOT_UNICODE = ("not valid Unicode, so no tokenizer can encode it; often half of an emoji cut "
+                "by a scraper")
+
+
+def _check_unicode(text: Any, field: str) -> None:
+    """Reject a lone UTF-16 surrogate in the text (or in chat message contents).
+
+    JSON may spell one (``"\\ud83d"``, half of an emoji cut by a scraper), and
+    ``json.loads`` returns it, but it is not Unicode text: no tokenizer can
+    encode it, and it would fail far from its file and line.
+    """
+    if isinstance(text, str):
+        where = _lone_surrogate(text)
+        if where is not None:
+            raise _DecodeError(f"a lone UTF-16 surrogate {where} in field {field!r} "
+                               f"({_NOT_UNICODE})")
+    elif isinstance(text, list):
+        for k, message in enumerate(text):
+            content = message.get("content") if isinstance(message, dict) else None
+            where = _lone_surrogate(content) if isinstance(content, str) else None
+            if where is not None:
+                raise _DecodeError(f"a lone UTF-16 surrogate {where} in the content of message "
+                                   f"{k} of field {field!r} ({_NOT_UNICODE})")
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """``"\\ud83d (character 6)"`` for the first lone surrogate of ``text``, else ``None``."""
+    if text.isascii():  # the common case, without a copy
+        return None
+    try:
+        text.encode("utf-8")  # fails on a surrogate, and on nothing else
+    except UnicodeEncodeError as exc:
+        return f"\\u{ord(text[exc.start]):04x} (character {exc.start})"
+    return None
 
 
 def _as_text(payload: bytes | bytearray | memoryview | str) -> str:

@@ -7,7 +7,10 @@ meta is already the packed record's final meta and whose payload lists the
 pieces as ``(source payload, start, stop)`` slices. ``process_many`` then does
 the array work on the workers (concatenate, pad, positions, loss mask). The
 decisions depend only on each lane's sequence of documents, never on time or
-on how upstream grouped them into micro-batches.
+on how upstream grouped them into micro-batches. They are made by the
+placement kernel of :mod:`zephon_torch.ops._binpack` (compiled C, or its
+pure-Python twin where no compiler was available: the same decisions), one
+call per lane and ``push_many`` over the documents' token counts.
 
 Placement, for a piece of ``n`` tokens in rows of ``max_length``:
 
@@ -16,7 +19,15 @@ Placement, for a piece of ``n`` tokens in rows of ``max_length``:
   to the earliest opened);
 * ``"wrap"``: one open row; documents are concatenated and cut at row
   boundaries, so a document may continue in the next row (``num_bins`` does
-  not apply).
+  not apply);
+* ``"best_fit_decreasing"``: the lane's documents are held until
+  ``bfd_window`` of them have arrived (or a flush sentinel ends the epoch);
+  then the window's pieces are sorted longest first (ties in stream order)
+  and placed by best fit into as many bins as they need (ties to the earliest
+  opened; ``num_bins`` does not apply), and all the window's bins go out
+  together, in opening order, as the document that completed the window
+  arrives. The packer holds up to ``bfd_window`` documents per lane (their
+  payloads, or their shared-memory handles under the process runner).
 
 When a piece fits no open bin it opens a new one; if ``num_bins`` bins are
 open already, the fullest goes out first (ties: the earliest opened). A bin
@@ -40,6 +51,13 @@ Example: ``first_fit``, ``max_length=8``, ``num_bins=2``, document lengths
     d5   7    fits nothing; 2 open: emit fullest (B,     C=6 D=7            [d1 d3]+pad 2
               the earliest of the tied), open D
     flush     emit C, D in opening order                                    [d4]+2, [d5]+1
+
+The same lengths need four rows whatever the algorithm (27 tokens). On
+``3, 6, 2, 5, 2, 4`` (22 tokens), ``first_fit`` with 2 bins makes four rows
+(10 padding tokens) while ``best_fit_decreasing`` with ``bfd_window=6``
+sorts the window to ``6 (d1), 5 (d3), 4 (d5), 3 (d0), 2 (d2), 2 (d4)``: d1,
+d3 and d5 open A, B and C (room 2, 3, 4); d0 fills B, d2 fills A, d4 goes to
+C, the least room that fits: rows ``[d1 d2]``, ``[d3 d0]``, ``[d5 d4]+2``.
 
 Documents longer than ``max_length`` (``oversized``): ``"split"`` cuts them
 into pieces of ``max_length`` tokens (the last shorter), each piece being the
@@ -69,6 +87,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from zephon_torch._training import AUTO_TOKEN_FIELDS
+from zephon_torch.ops._binpack import BinPlacer, Placement
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.runners.shm import LazyPayload
@@ -85,6 +104,7 @@ from zephon_torch.types import (
 
 __all__ = [
     "ALGORITHMS",
+    "DEFAULT_BFD_WINDOW",
     "OVERSIZED_MODES",
     "PLAN_KEY",
     "PackFlat",
@@ -97,7 +117,9 @@ __all__ = [
 ]
 
 #: Placement algorithms understood by both packers.
-ALGORITHMS = ("first_fit", "best_fit", "wrap")
+ALGORITHMS = ("first_fit", "best_fit", "wrap", "best_fit_decreasing")
+#: Documents per ``best_fit_decreasing`` window unless ``bfd_window`` says otherwise.
+DEFAULT_BFD_WINDOW = 4096
 #: What to do with a document longer than ``max_length``.
 OVERSIZED_MODES = ("split", "drop", "truncate")
 #: Payload key of a bin plan: the list of ``(payload, start, stop)`` pieces.
@@ -125,7 +147,7 @@ def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
 
 
 def _check_common(max_length: Any, num_bins: Any, algorithm: Any, tokens_field: Any,
-                  min_sequence_length: Any, oversized: Any) -> None:
+                  min_sequence_length: Any, oversized: Any, bfd_window: Any) -> None:
     _check_int("max_length", max_length, 1, None,
                "pass the row length in tokens (the model's sequence length + 1 for pack_flat)")
     _check_int("num_bins", num_bins, 1, None, "pass how many bins may be open per lane (e.g. 8)")
@@ -137,6 +159,14 @@ def _check_common(max_length: Any, num_bins: Any, algorithm: Any, tokens_field: 
     _check_int("min_sequence_length", min_sequence_length, 1, max_length,
                "it must lie between 1 and max_length (1 emits a bin only when it is full)")
     _check_choice("oversized", oversized, OVERSIZED_MODES)
+    if bfd_window is not None:
+        if algorithm != "best_fit_decreasing":
+            raise ValueError(
+                f"bfd_window={bfd_window!r} applies only to algorithm='best_fit_decreasing', "
+                f"not {algorithm!r}; remove it or choose that algorithm"
+            )
+        _check_int("bfd_window", bfd_window, 1, None,
+                   "pass how many documents each best-fit-decreasing window holds (e.g. 4096)")
 
 
 # --------------------------------------------------------------------------- token access
@@ -233,44 +263,6 @@ class _Piece(NamedTuple):
 _new_piece = tuple.__new__
 
 
-class _Bin:
-    """An open bin: its pieces in placement order and the tokens they hold."""
-
-    __slots__ = ("pieces", "used")
-
-    def __init__(self) -> None:
-        self.pieces: list[_Piece] = []
-        self.used = 0
-
-    def add(self, piece: _Piece) -> None:
-        self.pieces.append(piece)
-        self.used += piece.size
-
-
-def _first_fit(bins: list[_Bin], size: int, max_length: int) -> int | None:
-    for index, candidate in enumerate(bins):
-        if max_length - candidate.used >= size:
-            return index
-    return None
-
-
-def _best_fit(bins: list[_Bin], size: int, max_length: int) -> int | None:
-    best, best_room = None, max_length + 1
-    for index, candidate in enumerate(bins):
-        room = max_length - candidate.used
-        if size <= room < best_room:  # strict: ties keep the earliest opened
-            best, best_room = index, room
-    return best
-
-
-def _fullest(bins: list[_Bin]) -> int:
-    best, best_used = 0, -1
-    for index, candidate in enumerate(bins):
-        if candidate.used > best_used:  # strict: ties keep the earliest opened
-            best, best_used = index, candidate.used
-    return best
-
-
 def _add_tokens(totals: dict[int, int], counts: Mapping[int, int], size: int) -> None:
     """Attribute ``size`` tokens of a document to its components.
 
@@ -336,25 +328,43 @@ def _packed_meta(pieces: Sequence[_Piece], info: dict[str, int]) -> SampleMeta:
 # --------------------------------------------------------------------------- accumulators
 
 
+class _Lane:
+    """One lane's placement state and the documents that its open bins (or window) hold."""
+
+    __slots__ = ("docs", "placer")
+
+    def __init__(self, placer: BinPlacer) -> None:
+        self.placer = placer
+        # sequence number (the placer's) -> (record, token count, tokens kept)
+        self.docs: dict[int, tuple[SampleRecord, int, int]] = {}
+
+
 class PackingAccumulator(Accumulator):
     """The bin engine shared by both packers: per-lane bins, decided in stream order.
 
     ``push_many`` returns micro-batches (one lane each, at most
     ``microbatch_size`` elements) of bin plans and pass-through tombstones, in
     the order they became ready; nothing ready is held back, so
-    ``has_pending_data(lane)`` is true exactly when the lane has open bins.
-    Control records reaching ``push_many`` (tombstones, or a flush sentinel
-    should a runner forward one) pass through in place without touching any
-    bin; flushing is the runner's call to :meth:`flush`.
+    ``has_pending_data(lane)`` is true exactly when the lane has open bins (or,
+    for ``best_fit_decreasing``, a partial window). Control records reaching
+    ``push_many`` (tombstones, or a flush sentinel should a runner forward one)
+    pass through in place without touching any bin; flushing is the runner's
+    call to :meth:`flush`.
+
+    The decisions are made by :class:`~zephon_torch.ops._binpack.BinPlacer`,
+    one per lane: each ``push_many`` hands a lane's documents to it as one
+    array of token counts, and turns the rows that went out into bin plans.
 
     Args:
         max_length: Tokens per row.
         num_bins: Bins that may be open per lane (``first_fit``/``best_fit``).
-        algorithm: ``"first_fit"``, ``"best_fit"`` or ``"wrap"``.
+        algorithm: One of :data:`ALGORITHMS`.
         min_sequence_length: A bin whose room drops below this goes out.
         oversized: ``"split"``, ``"drop"`` or ``"truncate"``.
         tokens_field: Payload field holding the tokens, or ``"auto"``.
         microbatch_size: Most elements per emitted micro-batch.
+        bfd_window: Documents per ``best_fit_decreasing`` window (default
+            :data:`DEFAULT_BFD_WINDOW`); only for that algorithm.
     """
 
     reads_payload = True  # placement needs each document's token count
@@ -367,9 +377,10 @@ class PackingAccumulator(Accumulator):
 
     def __init__(self, max_length: int, *, num_bins: int = 8, algorithm: str = "first_fit",
                  min_sequence_length: int = 1, oversized: str = "split",
-                 tokens_field: str = "auto", microbatch_size: int = 64) -> None:
+                 tokens_field: str = "auto", microbatch_size: int = 64,
+                 bfd_window: int | None = None) -> None:
         _check_common(max_length, num_bins, algorithm, tokens_field, min_sequence_length,
-                      oversized)
+                      oversized, bfd_window)
         _check_int("microbatch_size", microbatch_size, 1, None, "pass a positive size")
         self.max_length = int(max_length)
         self.num_bins = int(num_bins)
@@ -378,26 +389,27 @@ class PackingAccumulator(Accumulator):
         self.oversized = oversized
         self.tokens_field = tokens_field
         self.microbatch_size = int(microbatch_size)
-        self._choose = _best_fit if algorithm == "best_fit" else _first_fit
-        # lane -> open bins in opening order; a lane absent here is a fresh lane.
-        self._lanes: dict[int, list[_Bin]] = {}
+        self.bfd_window = DEFAULT_BFD_WINDOW if bfd_window is None else int(bfd_window)
+        self._lanes: dict[int, _Lane] = {}
 
     # ------------------------------------------------------------------ contract
 
     def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
-        ready: list[SampleRecord] = []
-        if self.algorithm == "wrap":
-            for elem in elems:
-                self._push_one(elem, ready)
-            return self._group(ready)
-        # The common document (a dict whose token field is a 1-D integer array
-        # of 1..max_length tokens, no loss mask) is placed here without the
-        # general path's checks and cutting; anything else takes _push_one.
-        # Both make the same decisions.
+        # What goes out at each position of the input: the element itself (a
+        # control record, or a document turned into a tombstone), or the rows
+        # that the document placed there sent out. Rows are known only once
+        # each lane's documents have been placed (one call per lane), so they
+        # are slotted in by the document that sent them out.
+        out: list[Any] = [None] * len(elems)
+        # lane -> (positions, (record, token count, tokens kept), tokens kept)
+        runs: dict[int, tuple[list[int], list[tuple[SampleRecord, int, int]], list[int]]] = {}
         field = AUTO_TOKEN_FIELDS[0] if self.tokens_field == "auto" else self.tokens_field
-        limit, min_room, lanes = self.max_length, self.min_sequence_length, self._lanes
-        best = self.algorithm == "best_fit"
-        for elem in elems:
+        limit = self.max_length
+        drop, truncate = self.oversized == "drop", self.oversized == "truncate"
+        for position, elem in enumerate(elems):
+            # The common document (a dict whose token field is a 1-D integer
+            # array, no loss mask, or a handle described so) is measured here
+            # without the general path's checks; both give the same length.
             payload = elem.payload if type(elem) is SampleRecord else None
             kind = type(payload)
             size = 0
@@ -411,141 +423,135 @@ class PackingAccumulator(Accumulator):
                 if info is not None and _MASK_FIELD not in info:
                     size = info.get(field, 0)
             meta = elem.meta if size > 0 else None
-            if (meta is None or size > limit or ((tags := meta.tags)
-                    and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_SENTINEL_TAG)))):
-                self._push_one(elem, ready)
-                continue
-            bins = lanes.get(meta.lane_id)
-            if bins is None:
-                bins = lanes[meta.lane_id] = []
-            piece = _new_piece(_Piece, (payload, 0, size, meta, meta, True, 0))
-            if best:
-                index = _best_fit(bins, size, limit)
-            else:
-                index = None
-                for position, candidate in enumerate(bins):
-                    if limit - candidate.used >= size:
-                        index = position
-                        break
-            if index is None:
-                if limit - size < min_room:
-                    ready.append(self._close_pieces([piece], size))
+            if meta is None or ((tags := meta.tags)
+                                and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_SENTINEL_TAG))):
+                elem, size = self._measure(elem)
+                if not size:  # passes on as it is (a control record, an empty document)
+                    out[position] = elem
                     continue
-                if len(bins) >= self.num_bins:
-                    ready.append(self._close(bins.pop(_fullest(bins))))
-                target = _Bin()
-                bins.append(target)
-                index = len(bins) - 1
-            else:
-                target = bins[index]
-            target.pieces.append(piece)
-            target.used += size
-            if limit - target.used < min_room:
-                ready.append(self._close(bins.pop(index)))
+                meta = elem.meta
+            keep = size
+            if size > limit:
+                if drop:
+                    out[position] = tombstone(elem, "oversized")
+                    continue
+                if truncate:
+                    keep = limit
+            run = runs.get(meta.lane_id)
+            if run is None:
+                run = runs[meta.lane_id] = ([], [], [])
+            run[0].append(position)
+            run[1].append((elem, size, keep))
+            run[2].append(keep)
+        for lane_id, run in runs.items():
+            self._place_run(lane_id, run, out)
+        ready: list[Any] = []
+        for item in out:
+            if type(item) is list:
+                ready.extend(item)
+            elif item is not None:
+                ready.append(item)
         return self._group(ready)
 
-    def _push_one(self, elem: Any, ready: list[SampleRecord]) -> None:
-        """The general path for one element: checks, tombstones, cutting, placement."""
+    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
+        # Flushing a placer emits every open bin and leaves it fresh: bins (or
+        # the window) are the only per-lane state.
+        lanes = sorted(self._lanes) if lane_id is None else [lane_id]
+        ready: list[SampleRecord] = []
+        for lane in lanes:
+            state = self._lanes.get(lane)
+            if state is None:
+                continue
+            ready.extend(self._rows(state.placer.flush(), state.docs))
+            if state.docs:
+                raise RuntimeError(
+                    f"packing: lane {lane} still holds {len(state.docs)} documents after its "
+                    "open bins were flushed, so they would be lost; this is a bug in "
+                    "zephon_torch, please report it"
+                )
+        return self._group(ready)
+
+    def has_pending_data(self, lane_id: int | None = None) -> bool:
+        if lane_id is None:
+            return any(state.placer.pending for state in self._lanes.values())
+        state = self._lanes.get(lane_id)
+        return state is not None and state.placer.pending
+
+    # ------------------------------------------------------------------ placement
+
+    def _measure(self, elem: Any) -> tuple[Any, int]:
+        """The general path: ``(element, token count)``, checked; a count of 0 means the
+        element passes on as it is (a control record, or the tombstone of an empty one)."""
         if not isinstance(elem, SampleRecord):
             raise TypeError(
                 f"packing takes SampleRecord elements, got {type(elem).__name__}; "
                 "place pack_flat/pack_sequences before batch()"
             )
         if elem.meta.is_sentinel:  # tombstones (and stray sentinels) go straight on
-            ready.append(elem)
-            return
+            return elem, 0
         length = None
         if type(elem.payload) is LazyPayload:
             length = _described_length(elem.payload.info, self.tokens_field)
             if length is None:  # not enough known about it: read it
                 elem = SampleRecord(elem.meta, elem.payload.load())
-        self._admit(elem, ready, length)
-
-    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
-        # Emitting a bin removes it, so every flush leaves the flushed lanes
-        # fresh: bins are the only per-lane state.
-        lanes = sorted(self._lanes) if lane_id is None else [lane_id]
-        ready = []
-        for lane in lanes:
-            ready.extend(self._close(b) for b in self._lanes.pop(lane, ()))
-        return self._group(ready)
-
-    def has_pending_data(self, lane_id: int | None = None) -> bool:
-        if lane_id is None:
-            return any(self._lanes.values())
-        return bool(self._lanes.get(lane_id))
-
-    # ------------------------------------------------------------------ placement
-
-    def _admit(self, record: SampleRecord, ready: list[SampleRecord],
-               length: int | None = None) -> None:
-        """Place one document's pieces (or tombstone it) and collect what goes out.
-
-        ``length``, when given, is the document's checked token count (known
-        from a shared-memory handle's description); otherwise it is read here.
-        """
         if length is None:
-            length = _checked_length(record, self.tokens_field)
+            length = _checked_length(elem, self.tokens_field)
         if length == 0:
-            ready.append(tombstone(record, "empty"))
-            return
-        oversized = length > self.max_length
-        if oversized and self.oversized == "drop":
-            ready.append(tombstone(record, "oversized"))
-            return
-        keep = self.max_length if oversized and self.oversized == "truncate" else length
-        bins = self._lanes.setdefault(record.meta.lane_id, [])
-        if self.algorithm == "wrap":
-            self._wrap(bins, record, keep, length - keep, ready)
-            return
-        for piece in self._cut(record, keep, length - keep):
-            self._place(bins, piece, ready)
+            return tombstone(elem, "empty"), 0
+        return elem, length
 
-    def _cut(self, record: SampleRecord, keep: int, truncated: int) -> list[_Piece]:
-        """A document's pieces: itself, or children of at most ``max_length`` tokens."""
-        meta, step = record.meta, self.max_length
-        if keep <= step:
-            return [_Piece(record.payload, 0, keep, meta, meta, True, truncated)]
-        return [
-            _Piece(record.payload, start, min(start + step, keep), meta.child(i), meta,
-                   start + step >= keep, 0)
-            for i, start in enumerate(range(0, keep, step))
-        ]
+    def _placer(self) -> BinPlacer:
+        return BinPlacer(self.max_length, algorithm=self.algorithm, num_bins=self.num_bins,
+                         min_sequence_length=self.min_sequence_length, window=self.bfd_window)
 
-    def _place(self, bins: list[_Bin], piece: _Piece, ready: list[SampleRecord]) -> None:
-        """First/best fit one piece, emitting whatever bins this closes."""
-        index = self._choose(bins, piece.size, self.max_length)
-        if index is None:
-            if self.max_length - piece.size < self.min_sequence_length:
-                lone = _Bin()  # a row on its own: no need to push an open bin out
-                lone.add(piece)
-                ready.append(self._close(lone))
-                return
-            if len(bins) >= self.num_bins:
-                ready.append(self._close(bins.pop(_fullest(bins))))
-            bins.append(_Bin())
-            index = len(bins) - 1
-        target = bins[index]
-        target.add(piece)
-        if self.max_length - target.used < self.min_sequence_length:
-            ready.append(self._close(bins.pop(index)))
+    def _place_run(self, lane_id: int,
+                   run: tuple[list[int], list[tuple[SampleRecord, int, int]], list[int]],
+                   out: list[Any]) -> None:
+        """Place one lane's documents of this push in one call; slot the rows into ``out``."""
+        state = self._lanes.get(lane_id)
+        if state is None:
+            state = self._lanes[lane_id] = _Lane(self._placer())
+        positions, entries, keeps = run
+        base, docs = state.placer.admitted, state.docs
+        docs.update(zip(range(base, base + len(entries)), entries))
+        placement = state.placer.place(np.array(keeps, dtype=np.int64))
+        if not placement.rows:
+            return
+        rows = self._rows(placement, docs)
+        for after, row in zip(placement.row_after.tolist(), rows):
+            position = positions[after - base]
+            slot = out[position]
+            if slot is None:
+                out[position] = [row]
+            else:
+                slot.append(row)
 
-    def _wrap(self, bins: list[_Bin], record: SampleRecord, keep: int, truncated: int,
-              ready: list[SampleRecord]) -> None:
-        """Append a document to the lane's single open row, cutting it at row ends."""
-        meta, start, index = record.meta, 0, 0
-        while start < keep:
-            if not bins:
-                bins.append(_Bin())
-            row = bins[0]
-            stop = min(keep, start + self.max_length - row.used)
-            last = stop == keep
-            whole = start == 0 and last
-            row.add(_Piece(record.payload, start, stop, meta if whole else meta.child(index),
-                           meta, last, truncated if last else 0))
-            if self.max_length - row.used < self.min_sequence_length:
-                ready.append(self._close(bins.pop()))
-            start, index = stop, index + 1
+    def _rows(self, placement: Placement, docs: dict[int, tuple[SampleRecord, int, int]],
+              ) -> list[SampleRecord]:
+        """The bin plan records of the rows that went out; forgets the documents they end."""
+        if not placement.rows:
+            return []
+        flat = iter(placement.pieces.ravel().tolist())
+        quads = list(zip(flat, flat, flat, flat))
+        offsets = placement.row_offsets.tolist()
+        done = []
+        records = []
+        for row, used in enumerate(placement.row_used.tolist()):
+            pieces = []
+            for doc, start, stop, child in quads[offsets[row]:offsets[row + 1]]:
+                record, size, keep = docs[doc]
+                meta = record.meta
+                if stop == keep:  # the piece that ends the document closes it
+                    done.append(doc)
+                    piece = (record.payload, start, stop, meta if start == 0 else meta.child(child),
+                             meta, True, size - keep)
+                else:
+                    piece = (record.payload, start, stop, meta.child(child), meta, False, 0)
+                pieces.append(_new_piece(_Piece, piece))
+            records.append(self._close_pieces(pieces, used))
+        for doc in done:
+            del docs[doc]
+        return records
 
     # ------------------------------------------------------------------ emission
 
@@ -553,10 +559,6 @@ class PackingAccumulator(Accumulator):
         """The ``_packing_metadata`` of a closed bin."""
         return {"num_segments": len(pieces), "num_tokens": used,
                 "truncated_tokens": sum(p.truncated for p in pieces)}
-
-    def _close(self, closed: _Bin) -> SampleRecord:
-        """Turn a closed bin into its bin plan record."""
-        return self._close_pieces(closed.pieces, closed.used)
 
     def _close_pieces(self, pieces: list[_Piece], used: int) -> SampleRecord:
         """The bin plan record of the pieces of one row, ``used`` tokens in all."""
@@ -701,15 +703,16 @@ class _PackOperator(Operator):
     _accumulator_type: ClassVar[type[PackingAccumulator]] = PackingAccumulator
 
     def __init__(self, max_length: int, *, num_bins: int, algorithm: str, tokens_field: str,
-                 min_sequence_length: int, oversized: str) -> None:
+                 min_sequence_length: int, oversized: str, bfd_window: int | None) -> None:
         _check_common(max_length, num_bins, algorithm, tokens_field, min_sequence_length,
-                      oversized)
+                      oversized, bfd_window)
         self.max_length = int(max_length)
         self.num_bins = int(num_bins)
         self.algorithm = algorithm
         self.tokens_field = tokens_field
         self.min_sequence_length = int(min_sequence_length)
         self.oversized = oversized
+        self.bfd_window = None if bfd_window is None else int(bfd_window)
 
     def accumulator(self, *, deterministic: bool, ctx: OpContext) -> PackingAccumulator:
         """A fresh per-lane bin engine (it never uses the clock, so ``deterministic`` is moot)."""
@@ -718,6 +721,7 @@ class _PackOperator(Operator):
             min_sequence_length=self.min_sequence_length, oversized=self.oversized,
             tokens_field=self.tokens_field,
             microbatch_size=ctx.microbatch_size or self.default_microbatch_size,
+            bfd_window=self.bfd_window,
         )
 
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
@@ -733,12 +737,15 @@ class _PackOperator(Operator):
         return OpTraits(preserves_cursor_order=False, fan_out=True)
 
     def config(self) -> dict[str, Any]:
-        """Every parameter that shapes the output."""
-        return {
+        """Every parameter that shapes the output (``bfd_window`` only where it does)."""
+        config = {
             **super().config(), "max_length": self.max_length, "num_bins": self.num_bins,
             "algorithm": self.algorithm, "tokens_field": self.tokens_field,
             "min_sequence_length": self.min_sequence_length, "oversized": self.oversized,
         }
+        if self.algorithm == "best_fit_decreasing":
+            config["bfd_window"] = self.bfd_window or DEFAULT_BFD_WINDOW
+        return config
 
 
 class PackFlat(_PackOperator):
@@ -755,8 +762,10 @@ class PackFlat(_PackOperator):
     Args:
         max_length: Row length; use the model's sequence length + 1, since
             labels shift by one.
-        num_bins: Bins that may be open per lane (ignored by ``"wrap"``).
-        algorithm: ``"first_fit"``, ``"best_fit"`` or ``"wrap"``.
+        num_bins: Bins that may be open per lane (ignored by ``"wrap"`` and
+            ``"best_fit_decreasing"``).
+        algorithm: ``"first_fit"``, ``"best_fit"``, ``"wrap"`` or
+            ``"best_fit_decreasing"`` (see the module docstring).
         tokens_field: Payload field holding the token ids, or ``"auto"``
             (``input_ids``, ``tokens``, ``token_ids``, ``ids``, in that
             order); a payload may also be a bare 1-D array.
@@ -765,6 +774,9 @@ class PackFlat(_PackOperator):
         min_sequence_length: A bin whose room drops below this is emitted.
         oversized: ``"split"``, ``"drop"`` or ``"truncate"`` for documents
             longer than ``max_length``.
+        bfd_window: Documents per ``"best_fit_decreasing"`` window (default
+            4096; a flush sentinel also ends a window). Only for that
+            algorithm: the packer holds the window's documents.
 
     Raises:
         ValueError: A parameter out of range or an unknown mode.
@@ -775,10 +787,11 @@ class PackFlat(_PackOperator):
 
     def __init__(self, max_length: int, *, num_bins: int = 8, algorithm: str = "first_fit",
                  tokens_field: str = "auto", pad_token_id: int = 0, emit_positions: bool = True,
-                 min_sequence_length: int = 1, oversized: str = "split") -> None:
+                 min_sequence_length: int = 1, oversized: str = "split",
+                 bfd_window: int | None = None) -> None:
         super().__init__(max_length, num_bins=num_bins, algorithm=algorithm,
                          tokens_field=tokens_field, min_sequence_length=min_sequence_length,
-                         oversized=oversized)
+                         oversized=oversized, bfd_window=bfd_window)
         _check_int("pad_token_id", pad_token_id, _INT32.min, _INT32.max,
                    "pass your tokenizer's pad id (rows are int32)")
         if not isinstance(emit_positions, bool):
@@ -811,12 +824,15 @@ class PackSequences(_PackOperator):
 
     Args:
         max_length: Most tokens per bin.
-        num_bins: Bins that may be open per lane (ignored by ``"wrap"``).
-        algorithm: ``"first_fit"``, ``"best_fit"`` or ``"wrap"`` (documents
-            cut at bin boundaries, as pieces).
+        num_bins: Bins that may be open per lane (ignored by ``"wrap"`` and
+            ``"best_fit_decreasing"``).
+        algorithm: ``"first_fit"``, ``"best_fit"``, ``"wrap"`` (documents
+            cut at bin boundaries, as pieces) or ``"best_fit_decreasing"``.
         tokens_field: Payload field holding the token ids, or ``"auto"``.
         min_sequence_length: A bin whose room drops below this is emitted.
         oversized: ``"split"`` (default), ``"drop"`` or ``"truncate"``.
+        bfd_window: Documents per ``"best_fit_decreasing"`` window (default
+            4096); only for that algorithm.
 
     Raises:
         ValueError: A parameter out of range or an unknown mode.
@@ -827,10 +843,10 @@ class PackSequences(_PackOperator):
 
     def __init__(self, max_length: int, *, num_bins: int = 8, algorithm: str = "first_fit",
                  tokens_field: str = "auto", min_sequence_length: int = 1,
-                 oversized: str = "split") -> None:
+                 oversized: str = "split", bfd_window: int | None = None) -> None:
         super().__init__(max_length, num_bins=num_bins, algorithm=algorithm,
                          tokens_field=tokens_field, min_sequence_length=min_sequence_length,
-                         oversized=oversized)
+                         oversized=oversized, bfd_window=bfd_window)
 
     def _assemble(self, plan: dict[str, Any]) -> dict[str, list[Any]]:
         return assemble_segments(plan[PLAN_KEY], tokens_field=self.tokens_field)

@@ -8,6 +8,12 @@ short one: 512 tokenizes about 8% faster than 128 on two cores), then writes
 the ids as an ``int32`` numpy array into a shallow copy of each payload. The
 meta is kept, so identity and order survive.
 
+A text the tokenizer cannot encode (a lone UTF-16 surrogate, which is not
+Unicode) makes the batched call fail; the operator then encodes each sample
+on its own to find the failing one(s), so what fails (an error naming the
+sample's file and line, or with ``on_error="skip"`` a tombstone) depends on
+the sample alone, never on its neighbours or the micro-batch size.
+
 Special tokens are added by the operator, not by the tokenizer's
 post-processor: texts are encoded with ``add_special_tokens=False`` and BOS/EOS
 ids are placed around them according to ``special_tokens``. With
@@ -45,14 +51,16 @@ import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
+from zephon_torch.ops.io import _lone_surrogate
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.ops.transform import _check_record, callable_config
+from zephon_torch.sources.base import Dataset
 from zephon_torch.types import SampleRecord
 
 __all__ = [
@@ -138,6 +146,9 @@ def _check_field_name(name: str, value: Any) -> None:
 class _TokenizerOperator(Operator):
     """Shared machinery: the tokenizer as JSON, its lazy rebuild, special ids."""
 
+    #: Between the sample id and the problem in error messages.
+    _separator: ClassVar[str] = " "
+
     def traits(self) -> OpTraits:
         """Elementwise: consecutive elementwise stages may be fused."""
         return OpTraits(elementwise=True)
@@ -150,6 +161,7 @@ class _TokenizerOperator(Operator):
         self._tokenizer_json = _load_tokenizer_json(tokenizer)
         self.tokenizer_sha256 = hashlib.sha256(self._tokenizer_json.encode("utf-8")).hexdigest()
         self._tok: Tokenizer | None = None
+        self._datasets: dict[int, Dataset] | None = None
         self.special_tokens = special_tokens
         self.on_error = on_error
         tok = self.tokenizer
@@ -204,8 +216,12 @@ class _TokenizerOperator(Operator):
         return tok
 
     def setup(self, ctx: OpContext) -> None:
-        """Build the tokenizer now rather than inside the first micro-batch."""
+        """Build the tokenizer now rather than inside the first micro-batch, and take
+        the plan's datasets (``ctx.plan["datasets"]``, when there is a plan) to name
+        the file and line of a bad sample."""
         _ = self.tokenizer
+        datasets = ctx.plan.get("datasets") if ctx.plan else None
+        self._datasets = dict(datasets) if isinstance(datasets, Mapping) else None
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
         tok = self.tokenizer
@@ -213,14 +229,63 @@ class _TokenizerOperator(Operator):
         encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
         return [enc.ids for enc in encode(texts, add_special_tokens=False)]
 
-    def _reject(self, rec: SampleRecord, reason: str, message: str) -> SampleRecord:
-        if self.on_error == "raise":
-            raise ValueError(message)
-        return tombstone(rec, reason, message[:300])
+    def _encode_apart(self, groups: list[list[str]],
+                      failure: Exception) -> list[list[list[int]] | Exception]:
+        """After a batched encode failed: encode each group (one sample's texts) on
+        its own; a group that cannot be encoded gets its exception instead of ids.
+
+        Whether a sample fails then depends on its texts alone, never on its
+        neighbours in the micro-batch (or the micro-batch size).
+
+        Raises:
+            RuntimeError: Every group encodes on its own, so the failure was not
+                in the data.
+        """
+        results: list[list[list[int]] | Exception] = []
+        for texts in groups:
+            try:
+                results.append(self._encode(texts) if texts else [])
+            except Exception as exc:  # the Rust side raises TypeError, ValueError, Exception
+                results.append(exc)
+        if not any(isinstance(r, Exception) for r in results):
+            raise RuntimeError(
+                f"{self.name}: the tokenizer failed on a micro-batch of {len(groups)} samples "
+                f"({type(failure).__name__}: {failure}), yet each of them encodes on its own"
+            ) from failure
+        return results
+
+    def _reject(self, rec: SampleRecord, reason: str, problem: str, fix: str = "fix the data",
+                cause: BaseException | None = None) -> SampleRecord:
+        """A tombstone (``on_error="skip"``), or a ``ValueError`` naming the sample, its
+        file and line when the plan knows them, and which ``on_error`` would skip it."""
+        meta = rec.meta
+        head = f"{self.name}: sample {meta.sample_id}{self._separator}{problem}"
+        if self.on_error == "skip":
+            return tombstone(rec, reason, head[:300])
+        dataset = self._dataset_of(meta.sample_id)
+        where = ""
+        if dataset is not None:
+            try:
+                where = f", at {dataset.locate(meta.sample_id[1], meta.sample_id[2])}"
+            except Exception:  # a location is a courtesy: never hide the real problem
+                where = ""
+        advice = f"pass {self.name}(..., on_error='skip') to drop such samples"
+        if dataset is not None and getattr(dataset, "on_error", "raise") == "skip":
+            # The source's on_error reaches fetch and decode_text, not the tokenizers.
+            advice += (f" (the source's on_error='skip' covers only fetch and decode_text, "
+                       f"not {self.name})")
+        raise ValueError(f"{head}{where}; {fix}, or {advice}") from cause
+
+    def _dataset_of(self, sample_id: Any) -> Dataset | None:
+        datasets = getattr(self, "_datasets", None)
+        if not datasets or not isinstance(sample_id, tuple) or len(sample_id) != 3:
+            return None
+        return datasets.get(sample_id[0])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_tok"] = None  # rebuilt from _tokenizer_json in the receiving process
+        state["_datasets"] = None  # each process's setup(ctx) takes them from its plan
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -244,9 +309,12 @@ class Tokenize(_TokenizerOperator):
             :data:`EOS_TOKEN_CANDIDATES`.
         max_length: Keep at most this many ids, special tokens included (BOS
             stays first, EOS stays last).
-        on_error: A payload without a string ``field``: ``"raise"`` a
-            ``ValueError``, or ``"skip"`` it as a tombstone with reason
-            ``"tokenize_error"``.
+        on_error: A payload without a string ``field``, or a text the
+            tokenizer cannot encode (a lone UTF-16 surrogate): ``"raise"`` a
+            ``ValueError`` naming the sample and, within a pipeline, its file
+            and line, or ``"skip"`` it as a tombstone with reason
+            ``"tokenize_error"``. The source's ``on_error`` does not reach
+            this operator.
         placement: ``"local"``, ``"remote"`` or a ``Remote(...)``: where
             ``process_many`` runs (``docs/remote-stages.md``); not part of
             :meth:`config`.
@@ -308,15 +376,21 @@ class Tokenize(_TokenizerOperator):
                 problem = f"has no field {field!r} (fields: {sorted(map(str, payload))})"
             else:
                 problem = f"payload is a {type(payload).__name__}, not a dict with {field!r}"
-            out[i] = self._reject(
-                rec, "tokenize_error",
-                f"tokenize: sample {meta.sample_id} {problem}; fix the data, set field=..., "
-                "or pass on_error='skip' to drop such samples",
-            )
+            out[i] = self._reject(rec, "tokenize_error", problem,
+                                  "fix the data, set field=...")
         if texts:
             out_field = self.out_field
-            for i, ids in zip(where, self._encode(texts)):
+            try:
+                encoded: list[Any] = self._encode(texts)
+            except Exception as exc:  # find the text(s) that cannot be encoded
+                encoded = [r if isinstance(r, Exception) else r[0]
+                           for r in self._encode_apart([[t] for t in texts], exc)]
+            for i, text, ids in zip(where, texts, encoded):
                 rec = out[i]
+                if isinstance(ids, Exception):
+                    out[i] = self._reject(rec, "tokenize_error",
+                                          _unencodable(f"field {field!r}", text, ids), cause=ids)
+                    continue
                 out[i] = SampleRecord(rec.meta, {**rec.payload, out_field: self._to_array(ids)})
         return out
 
@@ -354,6 +428,15 @@ class Tokenize(_TokenizerOperator):
         }
 
 
+def _unencodable(what: str, text: str, exc: Exception) -> str:
+    """Why ``text`` (described by ``what``) cannot be tokenized."""
+    surrogate = _lone_surrogate(text)
+    if surrogate is not None:
+        return (f"{what} holds a lone UTF-16 surrogate {surrogate} (not valid Unicode, so "
+                "the tokenizer cannot encode it; often half of an emoji cut by a scraper)")
+    return f"{what} cannot be tokenized ({type(exc).__name__}: {exc})"
+
+
 class TokenizeChat(_TokenizerOperator):
     """Tokenize chat conversations into ``input_ids`` and an aligned ``loss_mask``.
 
@@ -383,8 +466,10 @@ class TokenizeChat(_TokenizerOperator):
         eos_token_id: As for :class:`Tokenize`.
         max_length: Cut ids and mask to this many tokens (no special-token
             repair: a cut turn simply loses its end).
-        on_error: Malformed messages: ``"raise"`` a ``ValueError`` or
-            ``"skip"`` (tombstone with reason ``"tokenize_chat_error"``).
+        on_error: Malformed messages, or messages the tokenizer cannot
+            encode: ``"raise"`` a ``ValueError`` or ``"skip"`` (tombstone with
+            reason ``"tokenize_chat_error"``). The source's ``on_error`` does
+            not reach this operator.
         placement: As for :class:`Tokenize`.
 
     Raises:
@@ -395,6 +480,7 @@ class TokenizeChat(_TokenizerOperator):
 
     name = "tokenize_chat"
     default_microbatch_size = 512
+    _separator = ": "  # "tokenize_chat: sample (0, 0, 1): message 2 has role 'bot'"
 
     def __init__(self, tokenizer: Any, *, field: str = "messages", out_field: str = "input_ids",
                  mask_field: str = "loss_mask", chat_template: str | ChatTemplate | None = None,
@@ -514,20 +600,39 @@ class TokenizeChat(_TokenizerOperator):
             else:
                 problem = self._validate(payload[self.field])
             if problem is not None:
-                out[i] = self._reject(
-                    rec, "tokenize_chat_error",
-                    f"tokenize_chat: sample {meta.sample_id}: {problem}; fix the data or pass "
-                    "on_error='skip' to drop such samples",
-                )
+                out[i] = self._reject(rec, "tokenize_chat_error", problem)
                 continue
             pieces = self._pieces(self._segments(payload[self.field]))
             texts.extend(p for p, _ in pieces if isinstance(p, str))
             jobs.append((i, pieces))
-        encoded = iter(self._encode(texts)) if texts else iter(())
+        try:
+            encoded = iter(self._encode(texts)) if texts else iter(())
+        except Exception as exc:  # find the conversation(s) that cannot be encoded
+            apart = self._encode_apart(
+                [[p for p, _ in pieces if isinstance(p, str)] for _, pieces in jobs], exc)
+            encoded = iter([ids for r in apart if not isinstance(r, Exception) for ids in r])
+            kept = []
+            for (i, pieces), result in zip(jobs, apart):
+                if isinstance(result, Exception):
+                    out[i] = self._reject(
+                        elems[i], "tokenize_chat_error",
+                        self._unencodable(elems[i].payload[self.field], result), cause=result)
+                else:
+                    kept.append((i, pieces))
+            jobs = kept
         for i, pieces in jobs:
             id_lists = [next(encoded) if isinstance(p, str) else [p] for p, _ in pieces]
             out[i] = self._build(elems[i], pieces, id_lists)
         return out
+
+    @staticmethod
+    def _unencodable(messages: Sequence[Mapping[str, Any]], exc: Exception) -> str:
+        """What is wrong with a (valid) conversation the tokenizer cannot encode."""
+        for k, msg in enumerate(messages):
+            if _lone_surrogate(msg["content"]) is not None:
+                return _unencodable(f"the content of message {k} ({msg['role']})",
+                                    msg["content"], exc)
+        return _unencodable("the rendered conversation", "", exc)
 
     def _build(self, rec: SampleRecord, pieces: list[tuple[str | int, int]],
                id_lists: list[list[int]]) -> SampleRecord:

@@ -18,6 +18,7 @@ import contextlib
 import multiprocessing
 import os
 import sys
+import threading
 import warnings
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -116,7 +117,9 @@ class PipelineIterator:
             whatever the runner (``runners/ray.py``).
         num_workers: Workers per pool (default: up to 4, the CPU count).
         deterministic: Release results in sequence order (the default);
-            False allows completion order and latency-bound flushes.
+            False allows completion order and latency-bound flushes, and
+            then the iterator cannot checkpoint (:meth:`state_dict` and
+            :meth:`load_state_dict` raise ``NotCheckpointableError``).
         rank, world_size: The topology (default: ``torch.distributed``, then
             ``RANK``/``WORLD_SIZE``, then 0 and 1).
         microbatch_sizes: ``{stage_name: size}`` performance overrides.
@@ -202,6 +205,14 @@ class PipelineIterator:
                 raise
         self.flush_every = pipeline.flush_every()
         self._fingerprint = pipeline.fingerprint()
+        self._stage_names = pipeline.stage_names()
+        self._fingerprint_parts: dict[str, str] | None = None  # made at the first state
+        # Held by __next__ while it hands an item over and updates the accounting, and by
+        # state_dict()/stats() while they read it: a checkpoint thread then sees the
+        # position after some item the caller received, never one half-way through an
+        # update. Reentrant: the end of the pass checks conservation through stats().
+        self._lock = threading.RLock()
+        self._warned_unresumable = False
         self._datasets = list(src.datasets)
         self._started = False
         self._loaded: Mapping[str, Any] = {"lanes": {}}
@@ -325,46 +336,47 @@ class PipelineIterator:
         return self
 
     def __next__(self) -> SampleRecord | SampleBatch:
-        lanes = self.lanes
-        lane = lanes[self._rr]
-        queue = self._queues[lane]
-        if queue:  # the common case, kept short: a plain record
-            item = queue.popleft()
-            if type(item) is SampleRecord and not item.meta.tags and not (
-                    queue and type(queue[0]) is SampleRecord and queue[0].meta.tags):
-                self._rr = (self._rr + 1) % len(lanes)
-                owed = self._owed[lane]
-                owed.append(item)
-                if len(owed) >= _SETTLE_EVERY:
-                    self._settle(lane)
-                return item
-            queue.appendleft(item)
-            return self._deliver(lane, queue)
-        if self._closed:
-            raise StopIteration
-        self._started = True
-        queues = self._queues
-        while True:
-            if len(self._ended) == len(lanes):
-                self.close()  # release the workers now, not at garbage collection
-                if self.verify:
-                    from zephon_torch.checks import assert_conserved
-
-                    assert_conserved(self)
-                raise StopIteration
+        with self._lock:  # uncontended unless another thread takes a state
+            lanes = self.lanes
             lane = lanes[self._rr]
-            queue = queues[lane]
-            if queue:
+            queue = self._queues[lane]
+            if queue:  # the common case, kept short: a plain record
+                item = queue.popleft()
+                if type(item) is SampleRecord and not item.meta.tags and not (
+                        queue and type(queue[0]) is SampleRecord and queue[0].meta.tags):
+                    self._rr = (self._rr + 1) % len(lanes)
+                    owed = self._owed[lane]
+                    owed.append(item)
+                    if len(owed) >= _SETTLE_EVERY:
+                        self._settle(lane)
+                    return item
+                queue.appendleft(item)
                 return self._deliver(lane, queue)
-            if lane in self._ended:
-                self._rr = (self._rr + 1) % len(lanes)
-                continue
-            if not self._pump():
-                for other in lanes:
-                    if not queues[other] and other not in self._ended:
-                        self._settle(other)
-                        self._ended.add(other)
-                        self.progress.lanes[other].finish()
+            if self._closed:
+                raise StopIteration
+            self._started = True
+            queues = self._queues
+            while True:
+                if len(self._ended) == len(lanes):
+                    self.close()  # release the workers now, not at garbage collection
+                    if self.verify:
+                        from zephon_torch.checks import assert_conserved
+
+                        assert_conserved(self)
+                    raise StopIteration
+                lane = lanes[self._rr]
+                queue = queues[lane]
+                if queue:
+                    return self._deliver(lane, queue)
+                if lane in self._ended:
+                    self._rr = (self._rr + 1) % len(lanes)
+                    continue
+                if not self._pump():
+                    for other in lanes:
+                        if not queues[other] and other not in self._ended:
+                            self._settle(other)
+                            self._ended.add(other)
+                            self.progress.lanes[other].finish()
 
     def _deliver(self, lane: int, queue: deque[Any]) -> Any:
         self._rr = (self._rr + 1) % len(self.lanes)
@@ -465,38 +477,100 @@ class PipelineIterator:
 
     # ------------------------------------------------------------------ checkpoints
 
+    @property
+    def checkpointable(self) -> bool:
+        """Whether :meth:`state_dict` can describe an exact position (``deterministic=True``)."""
+        return bool(self.deterministic)
+
     def state_dict(self) -> dict[str, Any]:
         """The position after the last item handed to the caller, as JSON-able builtins.
 
         Per lane: the replay cursor, the inflight window (schedule states of its
         chunks), the epoch boundaries among them, the next chunk's schedule
-        state; plus the round-robin position, the format version, the
-        configuration fingerprint and a checksum. See ``checkpoint.py``.
-        """
-        from zephon_torch.checkpoint import STATE_VERSION, fingerprint_parts, state_checksum
+        state; plus the round-robin position, the format version, the mode
+        (``deterministic``), the configuration fingerprint and a checksum. See
+        ``checkpoint.py``.
 
-        self._settle_all()
-        num_lanes = self.pipeline.source.num_lanes
-        # A lane still replaying has delivered nothing new: its position is the loaded one.
-        replaying = self._replay_filter_stage.acc.pending_lanes() | {
-            lane for lane in self.lanes
-            if str(lane) in self._loaded["lanes"]
-            and self.progress.lanes[lane].outputs == self._loaded["lanes"][str(lane)]["outputs"]
-        }
-        lanes = {
-            str(lane): (dict(self._loaded["lanes"][str(lane)]) if lane in replaying else
-                        self.progress.lanes[lane].snapshot(self._next_state, num_lanes))
-            for lane in self.lanes
-        }
+        It may be called from another thread while one iterates (a checkpoint
+        callback): a ``next()`` in progress finishes first, and the state is
+        the position after the item it returned.
+
+        Raises:
+            NotCheckpointableError: The iterator was made with
+                ``deterministic=False``, whose positions cannot be replayed.
+        """
+        from zephon_torch.checkpoint import STATE_VERSION, refuse_nondeterministic, state_checksum
+
+        if not self.checkpointable:
+            raise refuse_nondeterministic("state_dict()")
+        with self._lock:
+            self._settle_all()
+            num_lanes = self.pipeline.source.num_lanes
+            # A lane still replaying has delivered nothing new: its position is the loaded one.
+            replaying = self._replay_filter_stage.acc.pending_lanes() | {
+                lane for lane in self.lanes
+                if str(lane) in self._loaded["lanes"]
+                and self.progress.lanes[lane].outputs
+                == self._loaded["lanes"][str(lane)]["outputs"]
+            }
+            lanes = {
+                str(lane): (dict(self._loaded["lanes"][str(lane)]) if lane in replaying else
+                            self.progress.lanes[lane].snapshot(self._next_state, num_lanes))
+                for lane in self.lanes
+            }
+            state = {
+                "version": STATE_VERSION,
+                "deterministic": True,
+                "fingerprint": self._parts(),
+                "num_lanes": num_lanes,
+                "lanes": lanes,
+                "round_robin": {"lanes": list(self.lanes), "index": self._rr},
+            }
+        state["checksum"] = state_checksum(state)
+        return state
+
+    def state_for_snapshot(self) -> dict[str, Any]:
+        """:meth:`state_dict`, or under ``deterministic=False`` a state that refuses to load.
+
+        For callers that must record a state with every item whatever the
+        mode (torchdata's ``Prefetcher`` and ``StatefulDataLoader`` workers
+        snapshot their source after each one), so that iterating goes on.
+        Under ``deterministic=False`` the state records the mode and no
+        position; loading or merging it raises a ``ValueError`` saying that
+        such a run cannot be resumed, and the first call warns, so that a run
+        saving such states learns it at once.
+        """
+        from zephon_torch.checkpoint import STATE_VERSION, state_checksum
+
+        if self.checkpointable:
+            return self.state_dict()
+        if not self._warned_unresumable:
+            self._warned_unresumable = True
+            warnings.warn(
+                "zephon_torch: this pipeline iterates with deterministic=False, whose positions "
+                "cannot be replayed exactly; the states saved from it record only the mode, "
+                "and loading one raises an error. Use deterministic=True to save checkpoints "
+                "that resume",
+                RuntimeWarning, stacklevel=2,
+            )
         state = {
             "version": STATE_VERSION,
-            "fingerprint": fingerprint_parts(self._fingerprint),
-            "num_lanes": num_lanes,
-            "lanes": lanes,
-            "round_robin": {"lanes": list(self.lanes), "index": self._rr},
+            "deterministic": False,
+            "fingerprint": self._parts(),
+            "num_lanes": self.pipeline.source.num_lanes,
+            "lanes": {},
+            "round_robin": None,
         }
         state["checksum"] = state_checksum(state)
         return state
+
+    def _parts(self) -> dict[str, str]:
+        """The fingerprint's parts, as states carry them (a fresh copy each time)."""
+        from zephon_torch.checkpoint import fingerprint_parts
+
+        if self._fingerprint_parts is None:
+            self._fingerprint_parts = fingerprint_parts(self._fingerprint, self._stage_names)
+        return dict(self._fingerprint_parts)
 
     def _next_state(self, global_chunk: int, exhausted: bool) -> Any:
         pending = self.emitter.pending_replay(global_chunk)
@@ -514,35 +588,37 @@ class PipelineIterator:
         """
         from zephon_torch.checkpoint import check_state
 
-        if self._started:
-            raise RuntimeError(
-                "load_state_dict() must be called before iterating; create a new iterator "
-                "with pipe.iter(...) and load the state into it"
-            )
-        state = check_state(state, self._fingerprint)
-        if state["num_lanes"] != self.pipeline.source.num_lanes:
-            raise ValueError(
-                f"the state has {state['num_lanes']} lanes, this pipeline "
-                f"{self.pipeline.source.num_lanes}"
-            )
-        missing = [lane for lane in self.lanes if str(lane) not in state["lanes"]]
-        if missing:
-            raise ValueError(
-                f"the state has no entry for lane(s) {missing} (it holds lanes "
-                f"{sorted(int(k) for k in state['lanes'])}); merge every rank's state with "
-                "zephon_torch.checkpoint.merge_states() before resuming on another world size"
-            )
-        try:
-            self._build(resume=state)
-        except Exception as exc:
-            # Never half-loaded: whatever went wrong, the iterator starts afresh.
-            self._build()
-            raise ValueError(
-                f"corrupted state: it passed its checks but cannot be resumed "
-                f"({type(exc).__name__}: {exc}); nothing was loaded, this iterator starts "
-                "from the beginning; resume from another checkpoint"
-            ) from exc
-        self._loaded = state
+        with self._lock:  # not while another thread takes a state
+            if self._started:
+                raise RuntimeError(
+                    "load_state_dict() must be called before iterating; create a new iterator "
+                    "with pipe.iter(...) and load the state into it"
+                )
+            state = check_state(state, self._fingerprint, stage_names=self._stage_names,
+                                deterministic=self.deterministic)
+            if state["num_lanes"] != self.pipeline.source.num_lanes:
+                raise ValueError(
+                    f"the state has {state['num_lanes']} lanes, this pipeline "
+                    f"{self.pipeline.source.num_lanes}"
+                )
+            missing = [lane for lane in self.lanes if str(lane) not in state["lanes"]]
+            if missing:
+                raise ValueError(
+                    f"the state has no entry for lane(s) {missing} (it holds lanes "
+                    f"{sorted(int(k) for k in state['lanes'])}); merge every rank's state with "
+                    "zephon_torch.checkpoint.merge_states() before resuming on another world size"
+                )
+            try:
+                self._build(resume=state)
+            except Exception as exc:
+                # Never half-loaded: whatever went wrong, the iterator starts afresh.
+                self._build()
+                raise ValueError(
+                    f"corrupted state: it passed its checks but cannot be resumed "
+                    f"({type(exc).__name__}: {exc}); nothing was loaded, this iterator starts "
+                    "from the beginning; resume from another checkpoint"
+                ) from exc
+            self._loaded = state
 
     @property
     def started(self) -> bool:
@@ -617,14 +693,15 @@ class PipelineIterator:
         micro-batches dispatched and sentinels seen or stalled. Counts start
         again at :meth:`load_state_dict`.
         """
-        self._settle_all()
-        replayed = self.emitter.replayed_by_lane
-        report = self._stats.report(replayed)
-        report["bytes_read"] = self._bytes_read()
-        report["bad_samples"] = [self._describe_bad(entry) for entry in self._stats.bad]
-        report["stages"] = {stage.name: dict(stage.counters) for stage in self.stages}
-        report["replayed_samples"] = self.emitter.replayed
-        report["replayed_by_lane"] = dict(replayed)
+        with self._lock:  # a consistent report while another thread iterates
+            self._settle_all()
+            replayed = self.emitter.replayed_by_lane
+            report = self._stats.report(replayed)
+            report["bytes_read"] = self._bytes_read()
+            report["bad_samples"] = [self._describe_bad(entry) for entry in self._stats.bad]
+            report["stages"] = {stage.name: dict(stage.counters) for stage in self.stages}
+            report["replayed_samples"] = self.emitter.replayed
+            report["replayed_by_lane"] = dict(replayed)
         return report
 
     def _pool_bytes_now(self) -> list[int | None]:

@@ -56,7 +56,10 @@ when the pool is garbage-collected and at interpreter exit) fails pending
 futures, drops tasks not yet sent, asks workers to stop after the task they
 are running, terminates then kills those still running
 after ``shutdown_timeout``, joins them all, and unlinks every segment of the
-pool, including orphans of workers that died mid-write.
+pool, including orphans of workers that died mid-write. Ctrl-C raises
+``KeyboardInterrupt`` (workers ignore ``SIGINT``), so the pool closes as the
+stack unwinds; ``SIGTERM``, whose default action skips all of that, gets a
+handler of its own while a pool is alive (see :func:`_on_sigterm`).
 """
 
 from __future__ import annotations
@@ -237,6 +240,76 @@ def describe_exit(code: int | None) -> str:
 def _fail(future: cf.Future, exc: BaseException) -> None:
     with contextlib.suppress(cf.InvalidStateError):  # cancelled or already done
         future.set_exception(exc)
+
+
+# --------------------------------------------------------------------------- SIGTERM
+
+# SIGTERM is what schedulers, torchrun and ``kill`` send. Its default action ends
+# the process at once, with no ``finally`` and no finalizer, which would leave
+# every segment of a live pool in /dev/shm until some later pool's stale sweep
+# (SIGINT does not have this problem: it raises KeyboardInterrupt and the pools
+# close as the stack unwinds). So while a pool is alive the main thread's SIGTERM
+# handler is ours. It never swallows the signal:
+#
+# * if a Python handler was installed before ours (Lightning, a trainer, the
+#   loader's engine process), that handler is called and decides: it may raise
+#   (SystemExit, KeyboardInterrupt: the pools then close while the stack unwinds,
+#   as on Ctrl-C) or return to stop gracefully later (the pools stay usable);
+# * if the previous disposition was the default, the live pools are torn down
+#   on the spot (workers killed, segments unlinked) and the signal is raised
+#   again with the default action, so the process still dies by SIGTERM and its
+#   parent sees the usual status.
+#
+# A SIGTERM that was ignored (SIG_IGN) or handled in C (no Python handler to
+# chain to) stays as it is. The handler is put back when the last pool closes,
+# if nobody replaced ours meanwhile and the close happens on the main thread.
+_LIVE: set[_Supervisor] = set()  # pools of this process whose clean-up SIGTERM must do
+_sigterm_previous: Any = signal.SIG_DFL  # the disposition ours replaced when installed
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM while pools live: chain to an earlier Python handler, else tear down and die."""
+    previous = _sigterm_previous
+    if callable(previous):
+        previous(signum, frame)
+        return
+    # The process is about to die by the default action: no second run of this
+    # clean-up if the signal comes again meanwhile.
+    signal.signal(signum, signal.SIG_IGN)
+    for supervisor in list(_LIVE):
+        with contextlib.suppress(Exception):
+            supervisor.terminate_now()
+    signal.signal(signum, signal.SIG_DFL)
+    # raise_signal delivers to this thread before it returns; the default action
+    # ends the whole process with the status a SIGTERM gives.
+    signal.raise_signal(signum)
+    raise SystemExit(128 + signum)  # not reached unless the signal was blocked
+
+
+def _watch_sigterm(supervisor: _Supervisor) -> None:
+    """Count ``supervisor`` as live, installing our SIGTERM handler if we can."""
+    global _sigterm_previous
+    _LIVE.add(supervisor)
+    # signal.signal works only on the main thread; a pool started elsewhere is
+    # still cleaned up by a handler installed for another pool, else not at all.
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm or current is None or current == signal.SIG_IGN:
+        return  # already ours; or a C-level handler we could not chain; or ignored
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _sigterm_previous = current
+
+
+def _unwatch_sigterm(supervisor: _Supervisor) -> None:
+    """Forget ``supervisor``; the last one puts the previous SIGTERM handler back."""
+    _LIVE.discard(supervisor)
+    if _LIVE or threading.current_thread() is not threading.main_thread():
+        return  # off the main thread ours stays: with no live pool it only passes it on
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, _sigterm_previous)
+    # Otherwise someone replaced ours; _sigterm_previous stays, for a handler of
+    # theirs that passes the signal on to ours.
 
 
 # --------------------------------------------------------------------------- worker side
@@ -689,6 +762,34 @@ class _Supervisor:
 
     # ------------------------------------------------------------------ shutdown
 
+    def terminate_now(self) -> None:
+        """Kill the workers and unlink every segment, from a SIGTERM handler.
+
+        The process dies right after, so nothing is joined or failed: no future
+        callback runs, and no lock is waited on for long (the interrupted
+        main thread may hold one). The workers are killed, and seen to be
+        dead, before the sweep, so that none can write a segment after it.
+        """
+        if os.getpid() != self.owner:  # a forked child: these are its parent's
+            return
+        locked = self.lock.acquire(timeout=2.0)  # no restart of a dead worker from now on
+        try:
+            self.stopping = True
+            workers = [w for w in self.workers if w is not None]
+        finally:
+            if locked:
+                self.lock.release()
+        sentinels = []
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                worker.process.kill()
+                sentinels.append(worker.process.sentinel)
+        deadline = time.monotonic() + 5.0
+        while sentinels and time.monotonic() < deadline:
+            done = mp_connection.wait(sentinels, max(0.0, deadline - time.monotonic()))
+            sentinels = [s for s in sentinels if s not in done]
+        shm.sweep_prefix(self.directory, f"{self.prefix}-")
+
     def shutdown(self) -> None:
         """Stop everything, join every process and thread, unlink every segment."""
         if os.getpid() != self.owner:  # a forked child must not touch our workers
@@ -735,6 +836,7 @@ class _Supervisor:
                 self._retire(worker)
         self.ledger.release_all()
         shm.sweep_prefix(self.directory, f"{self.prefix}-")
+        _unwatch_sigterm(self)
         if thread is None or not thread.is_alive():
             for fd in (self._wake_r, self._wake_w):
                 with contextlib.suppress(OSError):
@@ -818,6 +920,7 @@ class ProcessPool(Pool):
             start_method=start_method, task_timeout=task_timeout,
         )
         self._finalizer = weakref.finalize(self, self._supervisor.shutdown)
+        _watch_sigterm(self._supervisor)
 
     @property
     def prefix(self) -> str:

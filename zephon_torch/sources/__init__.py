@@ -15,9 +15,11 @@ from zephon_torch.sources.datasets import (
     parquet,
     text_files,
 )
+from zephon_torch.sources.readers import DataChangedError
 
 __all__ = [
     "POINTER",
+    "DataChangedError",
     "Dataset",
     "ItemsDataset",
     "JsonlDataset",

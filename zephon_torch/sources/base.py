@@ -33,20 +33,28 @@ the byte ranges of JSONL reads, a text file's size); the counter is per
 thread, so whoever runs a read on a thread can tell what it cost with
 :func:`thread_bytes_read` before and after (the runners do, for
 ``stats()["bytes_read"]``).
+
+**Fingerprint.** :meth:`Dataset.describe` is this dataset's part of the
+pipeline's checkpoint fingerprint: its options, its shards' names and sample
+counts (which decide the work schedule) and, under ``"content"``, a compact
+table with each shard's size and content digest (which let a resume notice
+files rewritten in place). Names are location-free, so a job can move to
+another cluster; nothing in it depends on where or when a file was written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-__all__ = ["POINTER", "Dataset", "Pointer", "Shard", "count_read", "is_pointer",
-           "thread_bytes_read"]
+__all__ = ["POINTER", "ContentEntry", "Dataset", "Pointer", "Shard", "content_table",
+           "count_read", "is_pointer", "name_tag", "parse_content_table", "thread_bytes_read"]
 
 # Bytes read from storage, per thread: a read and its caller share a thread, so the
 # difference of two readings brackets exactly the reads made in between, whatever
@@ -192,15 +200,80 @@ class Dataset(ABC):
         """
         return 0
 
+    def content_signatures(self) -> list[tuple[int, str] | None]:
+        """Per shard: ``(size in bytes, content digest)``, or None where unknown.
+
+        The digest must depend on the content only (not on a path or a
+        time), and should be cheap: file datasets hash the first and last few
+        KiB and what they index anyway. The default (in-memory data) knows
+        nothing.
+        """
+        return [None] * len(self.shards())
+
     def describe(self) -> dict[str, Any]:
-        """The fingerprint part of this dataset: kind, name, shard names and sizes."""
+        """The fingerprint part of this dataset: kind, name, shard names and sizes.
+
+        ``"content"`` is the :func:`content_table` of the shards: what a
+        resume compares to notice data rewritten since the checkpoint.
+        """
+        shards = self.shards()
         return {
             "kind": self.kind,
             "name": self.name,
             "component_id": self.component_id,
             "passes": self.passes,
-            "shards": [[s.name, s.num_samples] for s in self.shards()],
+            "shards": [[s.name, s.num_samples] for s in shards],
+            "content": content_table(shards, self.content_signatures()),
         }
 
     def __len__(self) -> int:
         return sum(s.num_samples for s in self.shards())
+
+
+# ---------------------------------------------------------------- content tables
+
+
+class ContentEntry(NamedTuple):
+    """One shard in a :func:`content_table`.
+
+    Attributes:
+        name_tag: :func:`name_tag` of the shard's name.
+        samples: Its sample count.
+        size: Its size in bytes, or None when unknown.
+        digest: Its content digest, or None when unknown.
+    """
+
+    name_tag: str
+    samples: int
+    size: int | None
+    digest: str | None
+
+
+def name_tag(name: str) -> str:
+    """8 hex digits standing for a shard name (a table holds tags, not names)."""
+    return hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+
+
+def content_table(shards: Sequence[Shard], signatures: Sequence[tuple[int, str] | None]) -> str:
+    """A compact text table of the shards: ``"tag:samples:size:digest"`` each, space-separated.
+
+    It goes into every checkpoint state, so it is one string (cheap to copy,
+    hash and pickle, about 40 bytes per shard) holding just enough to say
+    which shard of a dataset changed and how. ``-`` stands for an unknown
+    size or digest. Example: ``"1f2e3d4c:10:1234:0123456789abcdef"``.
+    """
+    entries = []
+    for shard, signature in zip(shards, signatures):
+        size, digest = ("-", "-") if signature is None else signature
+        entries.append(f"{name_tag(shard.name)}:{shard.num_samples}:{size}:{digest}")
+    return " ".join(entries)
+
+
+def parse_content_table(table: str) -> list[ContentEntry]:
+    """The entries of a :func:`content_table` (raises ValueError if it is malformed)."""
+    entries = []
+    for item in table.split():
+        tag, samples, size, digest = item.split(":")
+        entries.append(ContentEntry(tag, int(samples), None if size == "-" else int(size),
+                                    None if digest == "-" else digest))
+    return entries

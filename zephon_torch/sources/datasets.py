@@ -36,6 +36,7 @@ never absolute paths, so a job can move to another cluster.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 import warnings
@@ -48,12 +49,17 @@ import numpy as np
 
 from zephon_torch.sources.base import Dataset, Shard, count_read
 from zephon_torch.sources.index_cache import (
+    IndexInfo,
     default_cache_dir,
+    describe_index,
     index_key,
+    list_entries,
     load_index,
+    remove_entry,
     save_index,
 )
 from zephon_torch.sources.readers import (
+    DataChangedError,
     FileStat,
     HandlePool,
     KeyedLocks,
@@ -61,6 +67,7 @@ from zephon_torch.sources.readers import (
     LRUCache,
     RandomAccessFile,
     TruncatedStreamError,
+    edge_digest,
     expand_paths,
     is_url,
     iter_decompressed,
@@ -159,6 +166,8 @@ class _FileDataset(Dataset):
         self.passes = _check_passes(passes)
         self.name = _check_name(name, self.kind)
         self._shards: list[Shard] = []
+        #: ``(path, why)`` of the glob matches left out with ``on_error="skip"``.
+        self.skipped_paths: list[tuple[str, str]] = []
 
     def shards(self) -> list[Shard]:
         """The shards in path order, with their sample counts."""
@@ -259,6 +268,7 @@ class _JsonlFile:
     path: str
     compression: str | None  # None, "gzip" or "zstd"
     stat: FileStat
+    edges: str  # digest of its size and first and last bytes
     key: str | None  # index cache key; None: not cacheable
 
 
@@ -269,6 +279,20 @@ def _compression_of(path: str) -> str | None:
     if lower.endswith(".zst"):
         return "zstd"
     return None
+
+
+def _edges(path: str, size: int, *extra: bytes) -> str:
+    """:func:`edge_digest` of a file (opened and closed here)."""
+    handle = RandomAccessFile(path)
+    try:
+        return edge_digest(handle, size, *extra)
+    finally:
+        handle.close()
+
+
+def _signature(*parts: str) -> str:
+    """16 hex digits standing for ``parts`` (the content digest of a shard)."""
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
 
 
 class _BlockBytes:
@@ -296,23 +320,33 @@ class JsonlDataset(_FileDataset):
     (see ``index_cache.py``). ``.gz`` and ``.zst`` files are streams: counting
     takes one decompressing pass (its result is cached the same way) and
     samples come from :meth:`stream`. Raw payloads are the lines' bytes
-    without the line ending.
+    without the line ending. Lines end with ``\\n`` or ``\\r\\n``; a file
+    without any ``\\n`` whose lines end with ``\\r`` (old Mac files) is read
+    line by line too.
+
+    A file's content signature (for the checkpoint fingerprint) is its size,
+    its first and last 4 KiB and its line index; reading checks each line
+    against the index, so a file rewritten during a run is an error
+    (:class:`~zephon_torch.sources.readers.DataChangedError`, never a skipped
+    sample).
 
     Args:
         paths: A path, glob, directory or fsspec URL, or a list of them.
         component_id: The mixture component this dataset feeds.
         name: Name for messages and the fingerprint (default ``"jsonl"``).
         passes: Trips over this dataset (None: the pipeline's ``passes``).
-        on_error: ``"raise"``: a truncated compressed file (and, later, a bad
-            line) is an error naming the file; ``"skip"``: keep the complete
-            lines before the damage (warning) and tombstone bad lines.
+        on_error: ``"raise"``: a truncated compressed file, a glob match that
+            cannot be read (and, later, a bad line) is an error naming the
+            file; ``"skip"``: keep the complete lines before the damage, leave
+            out unreadable matches (warnings) and tombstone bad lines.
         cache_dir: Folder of the index cache (default ``$ZEPHON_CACHE_DIR`` or
             ``~/.cache/zephon_torch/index``).
 
     Raises:
         ValueError: Empty ``paths``, an unsupported extension, a bad option,
             or a truncated/corrupt compressed file with ``on_error="raise"``.
-        FileNotFoundError: A path or glob that matches no file.
+        FileNotFoundError: A path or glob that matches no file, or an
+            unreadable match with ``on_error="raise"``.
     """
 
     kind = "jsonl"
@@ -330,10 +364,13 @@ class JsonlDataset(_FileDataset):
                  on_error: OnError = "raise", cache_dir: str | os.PathLike | None = None) -> None:
         self._init_options(component_id=component_id, name=name, passes=passes,
                            on_error=on_error)
-        files = expand_paths(paths, what="jsonl", suffixes=JSONL_SUFFIXES)
+        files = expand_paths(paths, what="jsonl", suffixes=JSONL_SUFFIXES,
+                             on_error=self.on_error, skipped=self.skipped_paths)
         self.cache_dir = (default_cache_dir() if cache_dir is None
                           else os.path.abspath(os.fspath(cache_dir)))
         self._files: list[_JsonlFile] = []
+        self._infos: list[IndexInfo] = []  # what each index says (line ending, digest)
+        self._entries: list[str | None] = []  # each index's cache entry, if on disk
         # Indexes without a disk copy stay here (and travel when pickled);
         # those on disk are memory-mapped on demand into a bounded cache.
         self._pinned: dict[int, np.ndarray] = {}
@@ -342,30 +379,44 @@ class JsonlDataset(_FileDataset):
         self._block_starts: dict[int, np.ndarray] = {}
         self._last_block = LRUCache(self.block_cache_size)
         self._reading = KeyedLocks()
+        listing: dict[str, list[tuple[str, IndexInfo]]] | None = None
         for shard_id, (path, shard_name) in enumerate(zip(files, _shard_names(files))):
             compression = _compression_of(path)
             if compression == "zstd":
                 _require("zstandard", "read .zst files")
             stat = stat_file(path)
+            edges = _edges(path, stat.size)
             kind = f"lines.{compression or 'plain'}"
-            file = _JsonlFile(path, compression, stat, index_key(path, stat, kind))
+            file = _JsonlFile(path, compression, stat, edges, index_key(path, stat, kind, edges))
             self._files.append(file)
-            index = self._cached_index(file)
+            index = info = entry = None
+            if file.key is not None:
+                if listing is None:  # one listing of the cache folder for all files
+                    listing = list_entries(self.cache_dir)
+                found = listing.get(file.key, [])
+                if len(found) == 1:
+                    entry, info = found[0]
+                    index = load_index(self.cache_dir, entry)
+                else:  # none, or several (ambiguous): index again
+                    for stale, _ in found:
+                        remove_entry(self.cache_dir, stale)
             if index is None:
-                index, complete = self._scan(file)
-                if not (complete and file.key and save_index(self.cache_dir, file.key, index)):
+                index, line_end, complete = self._scan(file)
+                info = describe_index(index, line_end)
+                entry = (save_index(self.cache_dir, file.key, index, info)
+                         if complete and file.key else None)
+                if entry is None:
                     self._pinned[shard_id] = index
+            self._infos.append(info)
+            self._entries.append(entry)
             self._shards.append(Shard(shard_id=shard_id, num_samples=len(index),
                                       name=shard_name, path=path,
                                       access="stream" if compression else "pointer"))
 
     # -- index ------------------------------------------------------------
 
-    def _cached_index(self, file: _JsonlFile) -> np.ndarray | None:
-        return None if file.key is None else load_index(self.cache_dir, file.key)
-
-    def _scan(self, file: _JsonlFile) -> tuple[np.ndarray, bool]:
-        """Index a file with one pass; returns (index, complete)."""
+    def _scan(self, file: _JsonlFile) -> tuple[np.ndarray, str, bool]:
+        """Index a file with one pass; returns (index, line ending, complete)."""
         scanner = LineScanner()
         with open_binary(file.path) as fh:
             try:
@@ -380,11 +431,11 @@ class JsonlDataset(_FileDataset):
                                      "damage") from exc
                 self._warn(f"{message}; on_error='skip' keeps the {len(index)} complete "
                            "lines before the damage")
-                return index, False
+                return index, scanner.line_end, False
         if file.compression is None and scanner.position != file.stat.size:
             raise ValueError(f"jsonl: {file.path!r} changed while it was being indexed; "
                              "run again once it is no longer being written")
-        return scanner.finish(), True
+        return scanner.finish(), scanner.line_end, True
 
     def _index(self, shard_id: int) -> np.ndarray:
         index = self._pinned.get(shard_id)
@@ -392,38 +443,59 @@ class JsonlDataset(_FileDataset):
             index = self._loaded.get(shard_id)
         if index is None:
             file = self._files[shard_id]
-            index = self._cached_index(file)
+            entry = self._entries[shard_id]
+            index = None if entry is None else load_index(self.cache_dir, entry)
             if index is None:  # the cache entry was removed: index again
-                index, complete = self._scan(file)
+                index, line_end, complete = self._scan(file)
+                if describe_index(index, line_end) != self._infos[shard_id]:
+                    then = self._shards[shard_id].num_samples
+                    how = (f"{then} lines then, {len(index)} now" if len(index) != then
+                           else "the same number of lines, at other places")
+                    raise DataChangedError(f"jsonl: {file.path!r} changed since it was indexed "
+                                           f"({how}); restart the pipeline to re-index it")
                 if complete and file.key:
-                    save_index(self.cache_dir, file.key, index)
-            if len(index) != self._shards[shard_id].num_samples:
-                raise ValueError(f"jsonl: {file.path!r} changed since it was indexed "
-                                 f"({self._shards[shard_id].num_samples} lines then, "
-                                 f"{len(index)} now); restart the pipeline to re-index it")
+                    save_index(self.cache_dir, file.key, index, self._infos[shard_id])
             self._loaded.put(shard_id, index)
         return index
 
+    def _forget_index(self, shard_id: int) -> None:
+        """Drop an index found stale, here and in the cache (a restart indexes again)."""
+        entry = self._entries[shard_id]
+        if entry is not None:
+            remove_entry(self.cache_dir, entry)
+        self._handles.discard(shard_id)
+
     # -- reading ----------------------------------------------------------
+
+    def _check_unchanged(self, file: _JsonlFile, handle: RandomAccessFile) -> None:
+        """Raise :class:`DataChangedError` if the open file is not the one indexed."""
+        now = handle.stat()
+        if now.size != file.stat.size or (now.mtime and file.stat.mtime
+                                          and now.mtime != file.stat.mtime):
+            raise DataChangedError(
+                f"jsonl: {file.path!r} changed since it was indexed (size {file.stat.size} "
+                f"then, {now.size} now); restart the pipeline to re-index it")
+        if edge_digest(handle, now.size) != file.edges:
+            raise DataChangedError(
+                f"jsonl: {file.path!r} changed since it was indexed (same size, different "
+                "first or last bytes); restart the pipeline to re-index it")
 
     def _open(self, shard_id: int) -> RandomAccessFile:
         file = self._files[shard_id]
         handle = RandomAccessFile(file.path)
-        now = handle.stat()
-        if now.size != file.stat.size or (now.mtime and file.stat.mtime
-                                          and now.mtime != file.stat.mtime):
+        try:
+            self._check_unchanged(file, handle)
+        except BaseException:
             handle.close()
-            raise ValueError(f"jsonl: {file.path!r} changed since it was indexed (size "
-                             f"{file.stat.size} then, {now.size} now); restart the pipeline "
-                             "to re-index it")
+            raise
         return handle
 
     def read(self, shard_id: int, local_ids: Sequence[int]) -> list[bytes]:
         """The raw bytes of lines ``local_ids`` (without line endings), in the order given.
 
         Raises:
-            ValueError: The shard is compressed (stream it instead) or the
-                file changed since it was indexed.
+            ValueError: The shard is compressed (stream it instead).
+            DataChangedError: The file changed since it was indexed.
         """
         ids = self._check_ids(shard_id, local_ids)
         file = self._files[shard_id]
@@ -434,24 +506,33 @@ class JsonlDataset(_FileDataset):
             return []
         offsets = self._index(shard_id)[:, 0]
         starts = self.blocks(shard_id)
+        line_end = self._infos[shard_id].line_end
         in_block = np.searchsorted(starts, ids, side="right") - 1
         used, first_use = np.unique(in_block, return_index=True)
         out: list[Any] = [None] * ids.size
-        # Blocks in order of first use: the one read last, kept, is where the next
-        # call goes on (a shuffled pass visits a block's lines in consecutive calls).
-        for block in used[np.argsort(first_use)].tolist():
-            where = np.flatnonzero(in_block == block)
-            unique, inverse = np.unique(ids[where], return_inverse=True)
-            lines = read_lines_at(self._block(shard_id, block, offsets, starts), offsets,
-                                  file.stat.size, unique)
-            for position, k in zip(where.tolist(), inverse.reshape(-1).tolist()):
-                out[position] = lines[k]
+        try:
+            # Blocks in order of first use: the one read last, kept, is where the next
+            # call goes on (a shuffled pass visits a block's lines in consecutive calls).
+            for block in used[np.argsort(first_use)].tolist():
+                where = np.flatnonzero(in_block == block)
+                unique, inverse = np.unique(ids[where], return_inverse=True)
+                lines = read_lines_at(self._block(shard_id, block, offsets, starts), offsets,
+                                      file.stat.size, unique, line_end)
+                for position, k in zip(where.tolist(), inverse.reshape(-1).tolist()):
+                    out[position] = lines[k]
+        except DataChangedError as exc:
+            self._forget_index(shard_id)
+            raise DataChangedError(
+                f"jsonl: {exc}: the file changed since it was indexed (rewritten, perhaps "
+                "keeping its size and modification time); its cached index is removed, "
+                "restart the pipeline to index it again") from None
         return out
 
     def _block(self, shard_id: int, block: int, offsets: np.ndarray,
                starts: np.ndarray) -> _BlockBytes:
-        """The bytes of one read block (block 0 from the file's first byte), read once
-        and kept until the shard's next block is read."""
+        """The bytes of one read block, read once and kept until the shard's next block
+        is read: from the file's first byte for block 0, else from the line ending
+        before the block's first line (``read_lines_at`` checks it)."""
         cached = self._last_block.get(shard_id)
         if cached is not None and cached.block == block:
             return cached
@@ -460,14 +541,13 @@ class JsonlDataset(_FileDataset):
             if cached is not None and cached.block == block:
                 return cached
             file = self._files[shard_id]
-            lo = 0 if block == 0 else int(offsets[starts[block]])
+            lo = 0 if block == 0 else int(offsets[starts[block]]) - 1
             hi = (int(offsets[starts[block + 1]]) if block + 1 < len(starts)
                   else file.stat.size)
             handle = self._handles.get(shard_id, lambda: self._open(shard_id))
             data = handle.read_at(lo, hi - lo)
             if len(data) < hi - lo:
-                raise ValueError(f"{file.path!r} is shorter than its line index says; the "
-                                 "file changed while the pipeline ran, restart it to re-index")
+                raise DataChangedError(f"{file.path!r} is shorter than its line index says")
             view = _BlockBytes(file.path, block, lo, data)
             self._last_block.put(shard_id, view)
         return view
@@ -494,19 +574,24 @@ class JsonlDataset(_FileDataset):
         """The shard's lines in file order (the only way to read a compressed shard).
 
         Raises:
-            ValueError: The file is truncated (with ``on_error="raise"``) or
-                holds a different number of lines than when it was counted.
+            ValueError: The file is truncated (with ``on_error="raise"``).
+            DataChangedError: The file changed since it was counted.
         """
         file = self._files[shard_id]
         expected = self._shards[shard_id].num_samples
         count = 0
         changed = (f"jsonl: {file.path!r} changed since it was counted ({expected} lines "
                    "then); restart the pipeline to re-index it")
+        handle = RandomAccessFile(file.path)
+        try:
+            self._check_unchanged(file, handle)
+        finally:
+            handle.close()
         with open_binary(file.path) as fh:
             try:
                 for line in iter_lines(iter_decompressed(fh, file.compression)):
                     if count == expected:
-                        raise ValueError(changed)
+                        raise DataChangedError(changed)
                     yield line
                     count += 1
             except TruncatedStreamError as exc:
@@ -516,7 +601,12 @@ class JsonlDataset(_FileDataset):
                                      "the complete lines before the damage") from exc
                 return  # skip mode: the lines before the damage, as counted
         if count != expected:
-            raise ValueError(changed)
+            raise DataChangedError(changed)
+
+    def content_signatures(self) -> list[tuple[int, str] | None]:
+        """Per file: its size, and a digest of its first and last 4 KiB and line index."""
+        return [(file.stat.size, _signature("jsonl", file.edges, info.line_end, info.digest))
+                for file, info in zip(self._files, self._infos)]
 
     def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:
         """Bytes of the lines (with their line ending) of a plain file; for a
@@ -554,6 +644,26 @@ def _require(module: str, why: str) -> Any:
     except ImportError as exc:
         raise ImportError(f"{module} is needed to {why}; install it with "
                           f"`pip install {module}`") from exc
+
+
+def _parquet_signature(path: str) -> tuple[int, str]:
+    """Size and content digest of a Parquet file: its first and last 4 KiB and its footer.
+
+    The footer holds every row group's and column chunk's size, place and
+    statistics, so a rewrite of the rows almost always changes it.
+    """
+    size = stat_file(path).size
+    handle = RandomAccessFile(path)
+    try:
+        tail = handle.read_at(max(size - 8, 0), 8)
+        footer = b""
+        if len(tail) == 8 and tail[4:] == b"PAR1":  # 4-byte footer length, then the magic
+            length = int.from_bytes(tail[:4], "little")
+            if 0 < length <= size - 12:
+                footer = handle.read_at(size - 8 - length, length)
+        return size, _signature("parquet", edge_digest(handle, size, footer))
+    finally:
+        handle.close()
 
 
 class _ParquetHandle:
@@ -719,10 +829,12 @@ class ParquetDataset(_FileDataset):
                 raise ValueError(f"parquet: columns must be a list of column names, "
                                  f"got {columns!r}")
         self.columns: list[str] | None = columns
-        files = expand_paths(paths, what="parquet", suffixes=PARQUET_SUFFIXES)
+        files = expand_paths(paths, what="parquet", suffixes=PARQUET_SUFFIXES,
+                             on_error=self.on_error, skipped=self.skipped_paths)
         self._paths = files
         self._bounds: list[np.ndarray] = []
         self._group_bytes: list[np.ndarray] = []
+        self._signatures: list[tuple[int, str]] = []
         self._handles = HandlePool(8)
         self._groups = LRUCache(self.row_group_cache_size)
         self._decoding = KeyedLocks()
@@ -732,6 +844,7 @@ class ParquetDataset(_FileDataset):
             bounds = np.zeros(len(counts) + 1, dtype=np.int64)
             np.cumsum(counts, out=bounds[1:])
             self._bounds.append(bounds)
+            self._signatures.append(_parquet_signature(path))
             self._shards.append(Shard(shard_id=shard_id, num_samples=int(bounds[-1]),
                                       name=shard_name, path=path, access="pointer"))
 
@@ -764,11 +877,25 @@ class ParquetDataset(_FileDataset):
 
     def _read_row_group(self, shard_id: int, row_group: int) -> Any:
         """Decode one row group of a shard (a ``pyarrow.Table`` of ``columns``)."""
-        path = self._paths[shard_id]
-        handle = self._handles.get(shard_id, lambda: _ParquetHandle(path))
+        handle = self._handles.get(shard_id, lambda: self._open(shard_id))
         table = handle.file.read_row_group(row_group, columns=self.columns)
         count_read(int(self._group_bytes[shard_id][row_group]))
         return table
+
+    def _open(self, shard_id: int) -> _ParquetHandle:
+        """Open a shard, checking that its row groups are those counted."""
+        path = self._paths[shard_id]
+        handle = _ParquetHandle(path)
+        meta = handle.file.metadata
+        now = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        then = np.diff(self._bounds[shard_id]).tolist()
+        if now != then:
+            handle.close()
+            raise DataChangedError(
+                f"parquet: {path!r} changed since the pipeline was built ({sum(then)} rows in "
+                f"{len(then)} row groups then, {sum(now)} in {len(now)} now); restart the "
+                "pipeline")
+        return handle
 
     def _row_group(self, shard_id: int, row_group: int) -> Any:
         cached = self._groups.get(shard_id)
@@ -828,6 +955,10 @@ class ParquetDataset(_FileDataset):
         """``"x.parquet row 12"`` (the 0-based row in the file)."""
         return f"{self._paths[shard_id]} row {local_id}"
 
+    def content_signatures(self) -> list[tuple[int, str] | None]:
+        """Per file: its size, and a digest of its first and last 4 KiB and its footer."""
+        return list(self._signatures)
+
     def describe(self) -> dict[str, Any]:
         """Kind, name, shards and the ``columns`` read."""
         return {**super().describe(), "columns": self.columns}
@@ -866,9 +997,12 @@ class TextFilesDataset(_FileDataset):
         self._init_options(component_id=component_id, name=name, passes=passes,
                            on_error=on_error)
         self.field = _check_field(field)
-        files = expand_paths(paths, what="text_files", suffixes=None)
+        files = expand_paths(paths, what="text_files", suffixes=None, on_error=self.on_error,
+                             skipped=self.skipped_paths)
         self._paths = files
         self._sizes = [stat_file(p).size for p in files]
+        self._digests = [_signature("text", _edges(p, size))
+                         for p, size in zip(files, self._sizes)]
         self._shards = [Shard(shard_id=i, num_samples=1, name=n, path=p, access="pointer")
                         for i, (p, n) in enumerate(zip(files, _shard_names(files)))]
 
@@ -877,9 +1011,14 @@ class TextFilesDataset(_FileDataset):
         ids = self._check_ids(shard_id, local_ids)
         if not ids.size:
             return []
-        with open_binary(self._paths[shard_id]) as fh:
+        path = self._paths[shard_id]
+        with open_binary(path) as fh:
             data = fh.read()
         count_read(len(data))
+        if len(data) != self._sizes[shard_id]:
+            raise DataChangedError(f"text_files: {path!r} changed since the pipeline was built "
+                                   f"({self._sizes[shard_id]} bytes then, {len(data)} now); "
+                                   "restart the pipeline")
         return [data] * ids.size
 
     def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:
@@ -889,6 +1028,10 @@ class TextFilesDataset(_FileDataset):
     def locate(self, shard_id: int, local_id: int) -> str:
         """The file's path."""
         return self._paths[shard_id]
+
+    def content_signatures(self) -> list[tuple[int, str] | None]:
+        """Per file: its size, and a digest of its first and last 4 KiB."""
+        return list(zip(self._sizes, self._digests))
 
     def describe(self) -> dict[str, Any]:
         """Kind, name, shards and the payload ``field``."""

@@ -3,10 +3,23 @@
 Scanning a large JSONL file to find its lines takes one full read; every
 process and every later run would repeat it. The index (``(n, 2)`` int64:
 byte offset and 1-based line number of each non-blank line) is therefore
-saved once as a ``.npy`` file whose name is a hash of what identifies the
-file's content: its absolute path (or URL), its size and its modification
-time. A file that changes gets a new name, so a stale index is never read;
-old entries are simply left behind (delete the folder to reclaim space).
+saved once as a ``.npy`` file named ``<key>.<about>.npy``:
+
+* ``key`` is a hash of what identifies the file's content without reading
+  it all: its absolute path (or URL), its size, its modification time and a
+  digest of its first and last few KiB. A file that changes gets a new key.
+  ``cp -p``, ``rsync -t`` or ``tar x`` can rewrite a file keeping its size
+  and modification time; the head and tail digest catches most such
+  rewrites, and reading checks every line it cuts against the index (see
+  :func:`~zephon_torch.sources.readers.read_lines_at`), removing an entry
+  found stale.
+* ``about`` is what the index says about the file: its line ending
+  (``lf``, or ``cr`` for old Mac files) and a digest of the index itself (it
+  changes when lines of different lengths are reordered). The digest enters
+  the pipeline's fingerprint without reading the index again.
+
+A folder is listed once per dataset to find the entries of its files; old
+entries are simply left behind (delete the folder to reclaim space).
 
 Writes are atomic (a temporary file in the same folder, then
 ``os.replace``): processes racing to index the same file each write a
@@ -23,18 +36,52 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import uuid
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
 from zephon_torch.sources.readers import FileStat, is_url
 
-__all__ = ["FORMAT_VERSION", "default_cache_dir", "index_key", "load_index", "save_index"]
+__all__ = [
+    "FORMAT_VERSION",
+    "IndexInfo",
+    "default_cache_dir",
+    "describe_index",
+    "entry_name",
+    "index_key",
+    "list_entries",
+    "load_index",
+    "remove_entry",
+    "save_index",
+]
 
 #: Bumped whenever the meaning of a cached index changes.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _warned_dirs: set[str] = set()
+_NAME = re.compile(r"^([0-9a-f]{40})\.(lf|cr)([0-9a-f]{32})\.npy$")
+
+
+@dataclass(frozen=True, slots=True)
+class IndexInfo:
+    """What an index says about its file.
+
+    Attributes:
+        line_end: ``"lf"`` (``\\n`` or ``\\r\\n``) or ``"cr"`` (``\\r`` only).
+        digest: 32 hex digits: a hash of the index and the line ending.
+    """
+
+    line_end: str
+    digest: str
+
+
+def describe_index(index: np.ndarray, line_end: str) -> IndexInfo:
+    """The :class:`IndexInfo` of an index (hashes the offsets and line numbers)."""
+    h = hashlib.blake2b(line_end.encode(), digest_size=16)
+    h.update(np.ascontiguousarray(index, dtype="<i8"))
+    return IndexInfo(line_end, h.hexdigest())
 
 
 def default_cache_dir() -> str:
@@ -45,32 +92,55 @@ def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "zephon_torch", "index")
 
 
-def index_key(path: str, stat: FileStat, kind: str) -> str | None:
-    """The cache file stem for a file, or None when it cannot be keyed safely.
+def index_key(path: str, stat: FileStat, kind: str, edges: str) -> str | None:
+    """The cache key of a file, or None when it cannot be keyed safely.
 
     Args:
         path: Local path or URL.
         stat: Its size and modification token.
-        kind: What the index describes (``"lines"`` or ``"lines.gzip"`` ...).
+        kind: What the index describes (``"lines.plain"``, ``"lines.gzip"`` ...).
+        edges: The digest of its first and last bytes
+            (:func:`~zephon_torch.sources.readers.edge_digest`).
     """
     if stat.mtime is None:  # without a change token a rewrite could reuse the entry
         return None
     where = path if is_url(path) else os.path.abspath(path)
-    text = "\0".join([str(FORMAT_VERSION), kind, where, str(stat.size), stat.mtime])
+    text = "\0".join([str(FORMAT_VERSION), kind, where, str(stat.size), stat.mtime, edges])
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
-def _file(cache_dir: str, key: str) -> str:
-    return os.path.join(cache_dir, f"{key}.npy")
+def entry_name(key: str, info: IndexInfo) -> str:
+    """The file name of the entry for ``key`` holding an index described by ``info``."""
+    return f"{key}.{info.line_end}{info.digest}.npy"
 
 
-def load_index(cache_dir: str, key: str) -> np.ndarray | None:
-    """The cached index for ``key``, or None (missing or unreadable).
+def list_entries(cache_dir: str) -> dict[str, list[tuple[str, IndexInfo]]]:
+    """``key -> [(file name, info), ...]`` of the folder's entries.
+
+    A key normally has one entry. Several (a file rewritten keeping its size,
+    times and edges, indexed again before the stale entry was noticed) are
+    ambiguous: the caller removes them and indexes the file again.
+    """
+    try:
+        names = os.listdir(cache_dir)
+    except OSError:
+        return {}
+    found: dict[str, list[tuple[str, IndexInfo]]] = {}
+    for name in sorted(names):
+        match = _NAME.match(name)
+        if match is not None:
+            found.setdefault(match.group(1), []).append(
+                (name, IndexInfo(match.group(2), match.group(3))))
+    return found
+
+
+def load_index(cache_dir: str, name: str) -> np.ndarray | None:
+    """The cached index in entry ``name``, or None (missing or unreadable).
 
     The array is memory-mapped, so processes that read the same file share
     its pages instead of each holding a copy.
     """
-    path = _file(cache_dir, key)
+    path = os.path.join(cache_dir, name)
     if not os.path.exists(path):
         return None
     try:
@@ -85,16 +155,23 @@ def load_index(cache_dir: str, key: str) -> np.ndarray | None:
     return index
 
 
-def save_index(cache_dir: str, key: str, index: np.ndarray) -> bool:
-    """Write ``index`` atomically; False (with one warning per folder) on failure."""
-    final = _file(cache_dir, key)
+def remove_entry(cache_dir: str, name: str) -> None:
+    """Delete an entry found stale (processes that mapped it keep their mapping)."""
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(cache_dir, name))
+
+
+def save_index(cache_dir: str, key: str, index: np.ndarray, info: IndexInfo) -> str | None:
+    """Write ``index`` atomically; its entry name, or None (one warning per folder)."""
+    name = entry_name(key, info)
+    final = os.path.join(cache_dir, name)
     tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     try:
         os.makedirs(cache_dir, exist_ok=True)
         with open(tmp, "wb") as f:
             np.save(f, np.ascontiguousarray(index, dtype=np.int64), allow_pickle=False)
         os.replace(tmp, final)
-        return True
+        return name
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -107,4 +184,4 @@ def save_index(cache_dir: str, key: str, index: np.ndarray) -> bool:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        return False
+        return None

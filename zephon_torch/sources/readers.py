@@ -6,7 +6,10 @@ Everything here works on bytes and knows nothing about samples or records;
 **Paths.** A path is local (read with plain ``open``/``os.pread``) or an
 fsspec URL (anything with ``"://"``). :func:`expand_paths` turns the user's
 paths, globs and directories into a sorted list of files, so shard ids are
-stable whatever order the user listed them in.
+stable whatever order the user listed them in. A file reached by two paths
+(``./a.jsonl``, a symlink, a hardlink) is listed once, and a glob match that
+cannot be read (a dangling symlink: an unmounted volume) is an error or,
+when asked, a counted skip; neither is ever silent.
 
 **Line index.** A plain JSONL shard is read by pointer: one pass over the
 file records, for every line that is not blank, the byte offset where it
@@ -24,7 +27,13 @@ plus 16 bytes per line. Example, the file ``b'{"a":1}\\n\\n  \\n{"b":2}'``::
 lines lie between). :func:`read_lines_at` therefore reads one byte range per
 window of nearby requested lines and cuts the lines out of it: one system
 call for a run of neighbours, no per-file seek state, so threads may share a
-handle.
+handle. It also checks that each line starts right after a line ending, so
+an index that no longer fits its file is an error, not pieces of lines.
+
+**Line endings.** ``\n``, with an optional ``\r`` before it. A file with no
+``\n`` at all but with ``\r`` bytes uses old Mac line endings (``\r``
+alone) and is split there; scanning, streaming and reading by pointer agree
+on this (a ``\r`` inside a line of a normal file stays part of the line).
 
 **Bytes read.** :meth:`RandomAccessFile.read_at` and :func:`iter_raw_blocks`
 report every byte they read with
@@ -42,9 +51,14 @@ the same blocks and keep the same lines, so the two always agree.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fnmatch
 import glob
+import hashlib
 import os
+import stat
 import threading
+import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -57,6 +71,8 @@ from zephon_torch.sources.base import count_read
 
 __all__ = [
     "BLOCK_SIZE",
+    "EDGE_BYTES",
+    "DataChangedError",
     "FileStat",
     "HandlePool",
     "KeyedLocks",
@@ -64,6 +80,7 @@ __all__ = [
     "LineScanner",
     "RandomAccessFile",
     "TruncatedStreamError",
+    "edge_digest",
     "expand_paths",
     "is_url",
     "iter_decompressed",
@@ -96,19 +113,31 @@ def _url_fs(url: str) -> tuple[Any, str]:
 # ---------------------------------------------------------------- paths
 
 
-def expand_paths(paths: Any, *, what: str, suffixes: Sequence[str] | None) -> list[str]:
-    """Expand paths, globs and directories into a sorted list of files.
+def expand_paths(paths: Any, *, what: str, suffixes: Sequence[str] | None,
+                 on_error: str = "raise",
+                 skipped: list[tuple[str, str]] | None = None) -> list[str]:
+    """Expand paths, globs and directories into a sorted list of distinct files.
 
     Args:
         paths: A path or a list of them; each may be a glob (``data/*.jsonl``),
             a directory (its files with a supported suffix) or an fsspec URL.
         what: The source's name for messages (``"jsonl"``).
         suffixes: Supported lower-case suffixes, or None to accept any file.
+        on_error: What to do with a glob match or directory entry that cannot
+            be read (a dangling symlink, a symlink loop, a pipe): ``"raise"``,
+            or ``"skip"`` it with a warning that counts and names them.
+        skipped: If given, receives ``(path, reason)`` for each entry skipped.
+
+    One file reached by several paths (``a.jsonl`` and ``./a.jsonl``, a
+    symlink, a hardlink, a ``**`` glob through a symlinked folder) is kept
+    once, under the path that sorts first, with a warning naming the others.
 
     Raises:
         ValueError: ``paths`` is empty or not made of strings, or a file has an
             unsupported suffix.
-        FileNotFoundError: A path or glob matches no file.
+        FileNotFoundError: A path or glob matches no file, an explicit path
+            is a dangling symlink or a symlink loop, or (``on_error="raise"``)
+            a glob match or directory entry cannot be read.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -123,15 +152,38 @@ def expand_paths(paths: Any, *, what: str, suffixes: Sequence[str] | None) -> li
             "or a list of them"
         )
     found: set[str] = set()
+    unreadable: list[tuple[str, str]] = []
+    notes: list[str] = []  # folders a ``**`` glob reached twice, or loops, not entered again
     for raw in paths:
         path = os.fspath(raw) if isinstance(raw, os.PathLike) else raw
         if not isinstance(path, str) or not path:
             raise ValueError(f"{what}: every path must be a non-empty string, got {raw!r}")
-        matches = _expand_url(path, suffixes) if is_url(path) else _expand_local(path, suffixes)
+        if is_url(path):
+            matches, bad = _expand_url(path, suffixes), []
+        else:
+            matches, bad = _expand_local(path, suffixes, what, notes)
         if not matches:
+            if bad:
+                raise FileNotFoundError(f"{what}: {path!r} matches no readable file: "
+                                        f"{_listing(bad)}; fix or remove them")
             hint = "" if is_url(path) else f" (relative paths start from {os.getcwd()!r})"
             raise FileNotFoundError(f"{what}: {path!r} matches no file{hint}; check the path")
         found.update(matches)
+        unreadable.extend(p for p in bad if p not in unreadable)
+    if unreadable:
+        unreadable.sort()
+        if on_error != "skip":
+            raise FileNotFoundError(
+                f"{what}: {len(unreadable)} path(s) matched by a glob or found in a folder "
+                f"cannot be read: {_listing(unreadable)}; fix or remove them, or pass "
+                "on_error='skip' to leave them out (counted, with a warning)"
+            )
+        warnings.warn(f"{what}: on_error='skip' leaves out {len(unreadable)} path(s) that "
+                      f"cannot be read: {_listing(unreadable)}", RuntimeWarning, stacklevel=4)
+        if skipped is not None:
+            skipped.extend(unreadable)
+    if notes:
+        warnings.warn(f"{what}: {'; '.join(notes)}", RuntimeWarning, stacklevel=4)
     files = sorted(found)
     if suffixes is not None:
         for file in files:
@@ -140,21 +192,152 @@ def expand_paths(paths: Any, *, what: str, suffixes: Sequence[str] | None) -> li
                     f"{what}: {file!r} has an unsupported extension; supported: "
                     f"{', '.join(suffixes)}"
                 )
-    return files
+    return _distinct_files(files, what)
+
+
+def _listing(entries: Sequence[tuple[str, str]], limit: int = 5) -> str:
+    """``'a' is ...; 'b' is ...`` for the first ``limit`` entries, then a count."""
+    shown = "; ".join(f"{path!r} {why}" for path, why in entries[:limit])
+    more = len(entries) - limit
+    return shown + (f"; and {more} more" if more > 0 else "")
 
 
 def _has_magic(path: str) -> bool:
     return any(ch in path for ch in "*?[")
 
 
-def _expand_local(path: str, suffixes: Sequence[str] | None) -> list[str]:
+def _entry_problem(path: str) -> str | None:
+    """Why a path that exists as a directory entry cannot be read as a file (None: it can).
+
+    A directory is not a problem either (globs such as ``data/*`` match folders,
+    which are not files to read); the caller filters them out.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a symlink loop (following its links leads back to a link already seen)"
+        if os.path.islink(path) and exc.errno == errno.ENOENT:
+            return (f"is a symlink to {os.readlink(path)!r}, which does not exist (an "
+                    "unmounted volume, a moved folder?)")
+        return f"cannot be reached ({exc.strerror})"
+    if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+        return None
+    return "is not a regular file (a pipe, a socket or a device)"
+
+
+def _classify(candidates: Iterable[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Split directory entries into readable files and ``(path, why)`` for the others."""
+    files: list[str] = []
+    bad: list[tuple[str, str]] = []
+    for path in candidates:
+        if os.path.isfile(path):
+            files.append(path)
+        elif not os.path.isdir(path):
+            problem = _entry_problem(path)
+            if problem is not None:
+                bad.append((path, problem))
+    return files, bad
+
+
+def _expand_local(path: str, suffixes: Sequence[str] | None, what: str,
+                  notes: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Files a local path names, and the entries it names that cannot be read."""
     if _has_magic(path):
-        return [m for m in glob.glob(path, recursive=True) if os.path.isfile(m)]
+        if "**" in path:
+            return _classify(_recursive_glob(path, notes))
+        return _classify(glob.glob(path))
     if os.path.isdir(path):
         names = sorted(os.listdir(path))
-        files = [os.path.join(path, n) for n in names if not n.startswith(".")]
-        return [f for f in files if os.path.isfile(f) and _suffix_ok(f, suffixes)]
-    return [path] if os.path.isfile(path) else []
+        entries = [os.path.join(path, n) for n in names if not n.startswith(".")]
+        return _classify(f for f in entries if _suffix_ok(f, suffixes))
+    if os.path.isfile(path):
+        return [path], []
+    if os.path.lexists(path):  # named explicitly: an error whatever on_error says
+        problem = _entry_problem(path) or "is not a file"
+        raise FileNotFoundError(f"{what}: {path!r} {problem}; check the path")
+    return [], []
+
+
+def _recursive_glob(pattern: str, notes: list[str]) -> list[str]:
+    """What ``glob.glob(pattern, recursive=True)`` matches, without entering a folder twice.
+
+    The standard library follows symlinked folders under ``**`` without
+    remembering where it has been: a link back to a parent makes it list the
+    same files under ever longer paths, without end. This walk matches the
+    same names (``**`` is zero or more folders; names starting with ``.``
+    match only a pattern part starting with ``.``), in sorted order, but
+    enters each folder once per matching state: a folder reached again is
+    skipped, with a note naming both paths, and a link back to a folder being
+    walked (a loop) is not followed.
+    """
+    parts = pattern.split(os.sep)
+    fixed = 0
+    while fixed < len(parts) - 1 and not _has_magic(parts[fixed]):
+        fixed += 1
+    root = os.sep.join(parts[:fixed])
+    rest = [p for p in parts[fixed:] if p]  # "a//b" is "a/b"
+    if root and not os.path.isdir(root):
+        return []
+    out: list[str] = []
+    first_path: dict[tuple[Any, frozenset[int]], str] = {}
+
+    def closure(states: Iterable[int]) -> frozenset[int]:
+        seen = set()
+        todo = list(states)
+        while todo:
+            i = todo.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if i < len(rest) and rest[i] == "**":
+                todo.append(i + 1)  # ``**`` may match no folder at all
+        return frozenset(seen)
+
+    def step(states: frozenset[int], name: str) -> frozenset[int]:
+        hidden = name.startswith(".")
+        nxt = []
+        for i in states:
+            if i >= len(rest):
+                continue
+            part = rest[i]
+            if part == "**":
+                if not hidden:
+                    nxt.append(i)
+            elif (not hidden or part.startswith(".")) and fnmatch.fnmatchcase(name, part):
+                nxt.append(i + 1)
+        return closure(nxt)
+
+    def walk(folder: str, states: frozenset[int], ancestors: dict[Any, str]) -> None:
+        try:
+            st = os.stat(folder or os.curdir)
+            names = sorted(os.listdir(folder or os.curdir))
+        except OSError:
+            return  # an unreadable folder matches nothing, as for glob.glob
+        ident = (st.st_dev, st.st_ino)
+        if ident in ancestors:
+            notes.append(f"{folder!r} leads back to {ancestors[ident]!r} (a symlink loop); "
+                         "it is not followed")
+            return
+        key = (ident, states)
+        if key in first_path:
+            notes.append(f"folder {folder!r} is the same as {first_path[key]!r} (reached by "
+                         "two paths); its files are read once")
+            return
+        first_path[key] = folder
+        ancestors = {**ancestors, ident: folder}
+        for name in names:
+            after = step(states, name)
+            if not after:
+                continue
+            child = os.path.join(folder, name) if folder else name
+            if len(rest) in after:
+                out.append(child)
+            if any(i < len(rest) for i in after) and os.path.isdir(child):
+                walk(child, after, ancestors)
+
+    walk(root, closure([0]), {})
+    return out
 
 
 def _expand_url(url: str, suffixes: Sequence[str] | None) -> list[str]:
@@ -170,6 +353,35 @@ def _expand_url(url: str, suffixes: Sequence[str] | None) -> list[str]:
 
 def _suffix_ok(path: str, suffixes: Sequence[str] | None) -> bool:
     return suffixes is None or path.lower().endswith(tuple(suffixes))
+
+
+def _identity(path: str) -> tuple[Any, ...]:
+    """What makes two paths the same file: the normalised URL, or device and inode."""
+    if is_url(path):
+        fs, inner = _url_fs(path)
+        return ("url", fs.unstrip_protocol(inner))
+    st = os.stat(path)
+    if not st.st_ino:  # a filesystem without inode numbers: the resolved path
+        return ("path", os.path.realpath(path))
+    return ("inode", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _distinct_files(files: list[str], what: str) -> list[str]:
+    """``files`` without those that are the same file as an earlier one (with a warning)."""
+    first: dict[tuple[Any, ...], str] = {}
+    kept: list[str] = []
+    twins: list[tuple[str, str]] = []
+    for path in files:
+        ident = _identity(path)
+        if ident in first:
+            twins.append((path, f"is the same file as {first[ident]!r}"))
+        else:
+            first[ident] = path
+            kept.append(path)
+    if twins:
+        warnings.warn(f"{what}: {len(twins)} file(s) are reached by two paths and are read "
+                      f"once: {_listing(twins)}", RuntimeWarning, stacklevel=4)
+    return kept
 
 
 # ---------------------------------------------------------------- files
@@ -465,18 +677,15 @@ def _iter_members(file: BinaryIO, block_size: int, new: Callable[[], Any],
 # Bytes that are not ASCII whitespace (``bytes.isspace``: 9-13 and 32).
 _CONTENT = np.ones(256, dtype=bool)
 _CONTENT[[9, 10, 11, 12, 13, 32]] = False
+_LF, _CR = 10, 13
 
 
-class LineScanner:
-    """Builds the line index of a byte stream fed block by block.
+class _LineSplit:
+    """The line index of a stream whose lines end with one given byte (see LineScanner)."""
 
-    The result is an ``(n, 2)`` int64 array: column 0 the byte offset where
-    each non-blank line starts, column 1 its 1-based line number. A line is
-    blank when it holds only ASCII whitespace (the bytes that
-    ``bytes.isspace`` accepts), exactly as :func:`iter_lines` decides.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, terminator: int) -> None:
+        self.terminator = terminator
+        self.seen = False  # whether the terminator occurred at all
         self._offsets: list[np.ndarray] = []
         self._numbers: list[np.ndarray] = []
         self._pos = 0  # stream offset of the next block
@@ -484,23 +693,18 @@ class LineScanner:
         self._line_no = 1  # its 1-based number
         self._has_content = False  # whether it holds a non-whitespace byte yet
 
-    @property
-    def position(self) -> int:
-        """Bytes scanned so far."""
-        return self._pos
-
     def feed(self, block: bytes) -> None:
-        """Scan the next block of the stream."""
         n = len(block)
         if n == 0:
             return
         arr = np.frombuffer(block, dtype=np.uint8)
-        newlines = np.flatnonzero(arr == 10)
+        newlines = np.flatnonzero(arr == self.terminator)
         k = newlines.size
         if k == 0:
             self._has_content = self._has_content or not block.isspace()
             self._pos += n
             return
+        self.seen = True
         seg_start = np.empty(k, dtype=np.int64)
         seg_start[0] = 0
         seg_start[1:] = newlines[:-1] + 1
@@ -523,8 +727,7 @@ class LineScanner:
         self._has_content = bool(rest) and not rest.isspace()
         self._pos += n
 
-    def finish(self, *, complete_only: bool = False) -> np.ndarray:
-        """The index. ``complete_only`` drops an unfinished last line (a truncated stream)."""
+    def finish(self, complete_only: bool) -> np.ndarray:
         offsets, numbers = list(self._offsets), list(self._numbers)
         if self._has_content and not complete_only:
             offsets.append(np.array([self._line_start], dtype=np.int64))
@@ -536,51 +739,153 @@ class LineScanner:
         return index
 
 
+class LineScanner:
+    """Builds the line index of a byte stream fed block by block.
+
+    The result is an ``(n, 2)`` int64 array: column 0 the byte offset where
+    each non-blank line starts, column 1 its 1-based line number. A line is
+    blank when it holds only ASCII whitespace (the bytes that
+    ``bytes.isspace`` accepts), exactly as :func:`iter_lines` decides.
+
+    Lines end with ``\\n`` (a ``\\r`` before it is part of the line ending).
+    A stream with no ``\\n`` at all but with ``\\r`` bytes has old Mac line
+    endings: its lines end with ``\\r`` (:attr:`line_end` is then ``"cr"``).
+    Until the first ``\\n`` shows up both splits are kept; a normal file has
+    one in its first block, so the second split costs nothing there.
+    """
+
+    def __init__(self) -> None:
+        self._lf = _LineSplit(_LF)
+        self._cr: _LineSplit | None = _LineSplit(_CR)
+
+    @property
+    def position(self) -> int:
+        """Bytes scanned so far."""
+        return self._lf._pos
+
+    @property
+    def line_end(self) -> str:
+        """``"lf"`` (``\\n`` or ``\\r\\n``), or ``"cr"`` for a stream with only ``\\r``."""
+        return "cr" if self._cr is not None and self._cr.seen else "lf"
+
+    def feed(self, block: bytes) -> None:
+        """Scan the next block of the stream."""
+        self._lf.feed(block)
+        if self._cr is not None:
+            if self._lf.seen:
+                self._cr = None  # a "\n": this is not a CR-only stream
+            else:
+                self._cr.feed(block)
+
+    def finish(self, *, complete_only: bool = False) -> np.ndarray:
+        """The index. ``complete_only`` drops an unfinished last line (a truncated stream)."""
+        split = self._cr if self.line_end == "cr" else self._lf
+        return split.finish(complete_only)
+
+
 def _strip_newline(line: bytes) -> bytes:
     return line[:-1] if line.endswith(b"\r") else line
+
+
+def _cr_lines(data: bytes, *, complete_only: bool = False) -> Iterator[bytes]:
+    """The non-blank lines of a stream with ``\\r`` line endings (no ``\\n`` in it)."""
+    pieces = data.split(b"\r")
+    last = pieces.pop()
+    for line in pieces:
+        if line and not line.isspace():
+            yield line
+    if not complete_only and last and not last.isspace():
+        yield last
 
 
 def iter_lines(blocks: Iterable[bytes]) -> Iterator[bytes]:
     """The non-blank lines of a block stream, without their line ending.
 
-    A final line without a newline is kept; if ``blocks`` raises, the
-    unfinished line is dropped and the exception propagates.
+    Lines end as :class:`LineScanner` says (``\\n``, ``\\r\\n``, or ``\\r`` in a
+    stream without any ``\\n``). A final line without a line ending is kept;
+    if ``blocks`` raises, the unfinished line is dropped and the exception
+    propagates.
     """
     pending: list[bytes] = []
-    for block in blocks:
-        pieces = block.split(b"\n")
-        if len(pieces) == 1:  # no newline: the current line goes on
-            pending.append(block)
-            continue
-        if pending:
-            pending.append(pieces[0])
-            pieces[0] = b"".join(pending)
-            pending = []
-        tail = pieces.pop()
-        if tail:
-            pending.append(tail)
-        for line in pieces:
-            if line and not line.isspace():
-                yield _strip_newline(line)
+    saw_lf = False
+    try:
+        for block in blocks:
+            pieces = block.split(b"\n")
+            if len(pieces) == 1:  # no newline: the current line goes on
+                pending.append(block)
+                continue
+            saw_lf = True
+            if pending:
+                pending.append(pieces[0])
+                pieces[0] = b"".join(pending)
+                pending = []
+            tail = pieces.pop()
+            if tail:
+                pending.append(tail)
+            for line in pieces:
+                if line and not line.isspace():
+                    yield _strip_newline(line)
+    except Exception:
+        if not saw_lf:  # perhaps CR line endings: the complete lines before the fault
+            yield from _cr_lines(b"".join(pending), complete_only=True)
+        raise
     line = b"".join(pending)
-    if line and not line.isspace():
+    if not saw_lf and b"\r" in line:
+        yield from _cr_lines(line)
+    elif line and not line.isspace():
         yield _strip_newline(line)
 
 
+class DataChangedError(ValueError):
+    """A file no longer holds what the pipeline found in it (rewritten during the run).
+
+    Never turned into a tombstone by ``on_error="skip"``: the documents are
+    fine, the pipeline's view of the file is stale.
+    """
+
+
+#: Bytes read at each end of a file for its content signature.
+EDGE_BYTES = 4096
+
+
+def edge_digest(file: RandomAccessFile, size: int, *extra: bytes) -> str:
+    """A digest of a file's size, its first and last :data:`EDGE_BYTES` and ``extra``.
+
+    It names content, never a location or a time: a copy of the file
+    anywhere has the same digest.
+    """
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    if size <= 2 * EDGE_BYTES:
+        h.update(file.read_at(0, size))
+    else:
+        h.update(file.read_at(0, EDGE_BYTES))
+        h.update(file.read_at(size - EDGE_BYTES, EDGE_BYTES))
+    for part in extra:
+        h.update(part)
+    return h.hexdigest()
+
+
 def read_lines_at(file: RandomAccessFile, offsets: np.ndarray, file_size: int,
-                  ids: np.ndarray) -> list[bytes]:
+                  ids: np.ndarray, line_end: str = "lf") -> list[bytes]:
     """The lines ``ids`` (sorted, unique) of an indexed file, without line endings.
 
-    Nearby lines are read with one range read (see the module doc).
+    Nearby lines are read with one range read (see the module doc). Each read
+    also checks the index against the bytes: a line starts right after a line
+    ending, and every line but the last has one. A file rewritten since it was
+    indexed (even to the same size and modification time) fails that check
+    wherever a line moved, instead of handing out pieces of lines.
 
     Raises:
-        ValueError: The file is shorter than its index says (it changed).
+        DataChangedError: The bytes do not fit the index (the file changed).
     """
     n = offsets.size
     after = ids + 1
-    # Line i, its newline and any blank lines after it span [starts[i], ends[i]).
+    end = b"\r" if line_end == "cr" else b"\n"
+    end_byte = end[0]
+    # Line i, its line ending and any blank lines after it span [starts[i], ends[i]).
     starts = offsets[ids].tolist()
     ends = np.where(after < n, offsets[np.minimum(after, n - 1)], file_size).tolist()
+    followed = (after < n).tolist()
     count = len(starts)
     out: list[bytes] = []
     j = 0
@@ -590,13 +895,23 @@ def read_lines_at(file: RandomAccessFile, offsets: np.ndarray, file_size: int,
         while (last + 1 < count and starts[last + 1] - ends[last] <= _MERGE_GAP
                and ends[last + 1] - window <= _MAX_WINDOW):
             last += 1
-        data = file.read_at(window, ends[last] - window)
-        if len(data) < ends[last] - window:
-            raise ValueError(f"{file.path!r} is shorter than its line index says; the file "
-                             "changed while the pipeline ran, restart it to re-index")
+        lead = 1 if window else 0  # the byte before the first line: its line ending
+        data = file.read_at(window - lead, ends[last] - window + lead)
+        if len(data) < ends[last] - window + lead:
+            raise DataChangedError(f"{file.path!r} is shorter than its line index says")
+        base = window - lead
         for i in range(j, last + 1):
-            lo, hi = starts[i] - window, ends[i] - window
-            nl = data.find(b"\n", lo, hi)
-            out.append(_strip_newline(data[lo:hi if nl < 0 else nl]))
+            lo, hi = starts[i] - base, ends[i] - base
+            if lo and data[lo - 1] != end_byte:
+                raise DataChangedError(f"{file.path!r} no longer has a line starting at byte "
+                                       f"{starts[i]}")
+            nl = data.find(end, lo, hi)
+            if nl < 0:
+                if followed[i]:
+                    raise DataChangedError(f"{file.path!r} no longer has a line ending between "
+                                           f"bytes {starts[i]} and {ends[i]}")
+                nl = hi
+            line = data[lo:nl]
+            out.append(line if line_end == "cr" else _strip_newline(line))
         j = last + 1
     return out

@@ -3,7 +3,8 @@
 A producer runs the pipeline's iterator and turns each item into an *event*:
 ``("batch", payload, state)`` where ``payload`` is what the caller will get
 (``to_training`` output, or the ``SampleBatch``) and ``state`` is the
-iterator's ``state_dict()`` right after that item, then one
+iterator's ``state_dict()`` right after that item (None under
+``deterministic=False``, which cannot checkpoint), then one
 ``("end", state)``. Sending the state *with* the batch is what lets the
 loader prefetch freely and still checkpoint exactly: the loader keeps the
 state of the last batch it handed to the caller, never the state of what
@@ -44,11 +45,12 @@ whatever is left. An engine that finds its parent gone (a broken pipe)
 sweeps its own segments; if both die by ``SIGKILL``, the next pool or
 loader's ``shm.sweep_stale`` removes them (their owner pid is dead).
 
-Lifetime of the engine process: ``close()`` asks it to stop (it closes the
-iterator, which stops and joins its pool workers, and exits), waits, then
-sends ``SIGTERM`` (turned into ``SystemExit`` in the engine so that the
-same clean-up runs), then ``SIGKILL``. ``SIGINT`` is ignored in the engine:
-Ctrl-C reaches the whole process group, and the training process is the one
+Lifetime of the engine process: ``close()`` resumes it if it was stopped
+(``SIGCONT``), asks it to stop (it closes the iterator, which stops and
+joins its pool workers, and exits), waits, then sends ``SIGTERM`` (turned
+into ``SystemExit`` in the engine so that the same clean-up runs), then
+``SIGKILL``. ``SIGINT`` is ignored in the engine: Ctrl-C reaches the whole
+process group, and the training process is the one
 that decides to stop. An engine whose parent dies sees end-of-file on its
 control pipe (or a broken data pipe) and exits.
 """
@@ -113,10 +115,13 @@ def run_pipeline(spec: EngineSpec) -> Iterator[tuple]:
         if spec.state is not None:
             it.load_state_dict(spec.state)
         kwargs = spec.to_training
+        # deterministic=False cannot checkpoint: no state travels (None), and the
+        # loader's state_dict() raises saying why.
+        state_of = it.state_dict if it.checkpointable else lambda: None
         for item in it:
             payload = item if kwargs is None else item.to_training(**kwargs)
-            yield ("batch", payload, it.state_dict())
-        yield ("end", it.state_dict())
+            yield ("batch", payload, state_of())
+        yield ("end", state_of())
     finally:
         it.close()
 
@@ -416,6 +421,11 @@ class EngineProcess:
             process = self._process
         if process is None:
             return
+        if process.is_alive():
+            # A stopped engine (SIGSTOP, a debugger; the loader's timeout= may be why it is
+            # closed) could neither answer the stop nor handle SIGTERM: let it run again.
+            with contextlib.suppress(OSError):
+                os.kill(process.pid, signal.SIGCONT)
         self._send(_STOP)
         process.join(timeout=_STOP_TIMEOUT)
         if process.is_alive():

@@ -36,11 +36,25 @@ Between a load and the first item the live iterator hands out, its own
 ``state_dict()`` does not yet describe the loaded position (it would restart
 the replay windows), so the wrapper answers with the loaded state itself,
 narrowed to the iterator's lanes (see :class:`LiveIterator`).
+
+**One iteration at a time.** The dataset has one position, so it runs one
+iteration at a time. An iteration is *in progress* from its first item
+until it ends, or until nothing references its iterator any more (a torch
+loader's iterator dropped after a ``break``). ``iter(dataset)`` while one is
+in progress returns an iterator that waits: at its first ``next()`` it takes
+over if the other has ended or been dropped by then, and is refused with a
+``RuntimeError`` if not (``next(iter(loader))`` inside a loop over a torch
+``DataLoader`` with ``num_workers=0``, which calls ``iter(dataset)``), so
+the running loop neither ends early nor has its saved position moved.
+``state_dict()`` settles the same question: torchdata's
+``StatefulDataLoader`` creates the new epoch's iterator while it still
+holds the previous one, and drops that one right after.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -115,27 +129,67 @@ class LiveIterator:
         self.iterator = iterator
         self._resume = None if resume is None else narrow_state(resume, iterator.lanes)
         self.pid = os.getpid()
+        self.handed = 0  # items handed out
+        self.ended = False  # ran out, raised, or closed
 
     def __iter__(self) -> LiveIterator:
         return self
 
     def __next__(self) -> Any:
-        item = next(self.iterator)
+        try:
+            item = next(self.iterator)
+        except BaseException:
+            self.ended = True
+            raise
         self._resume = None  # from now on the iterator's own state is the truth
+        self.handed += 1
         return item
+
+    @property
+    def in_progress(self) -> bool:
+        """Whether it has handed out items and has not ended."""
+        return self.handed > 0 and not self.ended
 
     def position(self) -> dict[str, Any]:
         """The state after the last item handed out (the resume state before any)."""
         if self._resume is not None:
             return dict(self._resume)
-        return self.iterator.state_dict()
+        # torchdata snapshots after every item: under deterministic=False a state that
+        # refuses to load (and a warning) rather than an error that stops the iteration.
+        return self.iterator.state_for_snapshot()
 
     def close(self) -> None:
         """Release the iterator's workers, unless they belong to another process."""
+        self.ended = True
         # A forked DataLoader worker inherits this object but not its threads or
         # child processes: closing them there could wait forever.
         if self.pid == os.getpid():
             self.iterator.close()
+
+
+class _DatasetIterator:
+    """What ``iter(dataset)`` returns: one iteration, started when the dataset lets it.
+
+    The dataset holds it weakly: once nothing else references it, its
+    iteration no longer counts as in progress.
+    """
+
+    def __init__(self, dataset: TorchIterableDataset, live: LiveIterator | None) -> None:
+        self._dataset = dataset
+        self.live = live  # None: waits for the iteration in progress (see the module doc)
+
+    def __iter__(self) -> _DatasetIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self.live is not None and self.live.handed == 0 \
+                and self.live is not self._dataset._live:
+            self.live = None  # a newer iter() replaced it before it started: start afresh
+        if self.live is None:
+            self._dataset._take_over(self)  # refuses while another iteration is in progress
+            if self.live is None:  # the dataset owns no lane here
+                raise StopIteration
+        return next(self.live)
 
 
 class TorchIterableDataset(torch.utils.data.IterableDataset):
@@ -160,6 +214,9 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         self.iter_kwargs = dict(iter_kwargs)
         self._pending: dict[str, Any] | None = None
         self._live: LiveIterator | None = None
+        # The iterator handed out for _live, and the latest one waiting to take over.
+        self._owner: weakref.ref[_DatasetIterator] | None = None
+        self._waiting: weakref.ref[_DatasetIterator] | None = None
 
     # ------------------------------------------------------------------ iteration
 
@@ -176,12 +233,37 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         return owned_lanes(num_lanes, rank, world_size, explicit), kwargs
 
     def __iter__(self) -> Iterator[Any]:
-        """A new iterator over this process's lanes, resuming a loaded state if any."""
+        """A new iterator over this process's lanes, resuming a loaded state if any.
+
+        While another iteration is in progress, the iterator starts at its
+        first ``next()``, and only if that one has ended by then (see the
+        module doc).
+        """
+        handle = _DatasetIterator(self, None)
+        if self._in_progress() is not None:
+            self._waiting = weakref.ref(handle)
+            return handle
+        self._claim(handle)
+        if handle.live is None:
+            return iter(())
+        return handle
+
+    def _in_progress(self) -> _DatasetIterator | None:
+        """The iterator of the iteration in progress, if anything still references it."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and owner.live is self._live and self._live is not None \
+                and self._live.in_progress and self._live.pid == os.getpid():
+            return owner
+        return None
+
+    def _claim(self, handle: _DatasetIterator) -> None:
+        """End the current iteration and start ``handle``'s (from a loaded state, if any)."""
         self._drop_live()
+        self._waiting = None
         lanes, kwargs = self._plan()
         pending, self._pending = self._pending, None
         if not lanes:
-            return iter(())
+            return
         iterator = self.pipeline.iter(lanes=lanes, **kwargs)
         if pending is not None:
             try:
@@ -189,13 +271,50 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
             except BaseException:
                 iterator.close()
                 raise
-        self._live = LiveIterator(iterator, pending)
-        return self._live
+        handle.live = self._live = LiveIterator(iterator, pending)
+        self._owner = weakref.ref(handle)
+
+    def _take_over(self, handle: _DatasetIterator) -> None:
+        """Start a waiting ``handle`` at its first ``next()``.
+
+        Raises:
+            RuntimeError: Another iteration is still in progress.
+        """
+        running = self._in_progress()
+        if running is not None:
+            raise RuntimeError(
+                f"this zephon TorchIterableDataset has an iteration in progress "
+                f"({running.live.handed if running.live else 0} item(s) handed out, not "
+                "finished), and a dataset runs one iteration at a time: starting another would "
+                "end that one and move the position state_dict() saves. A torch DataLoader "
+                "with num_workers=0 calls iter(dataset) at every iter(loader), so "
+                "next(iter(loader)) inside the training loop lands here: to look at a batch, "
+                "use a second loader over pipe.to_torch_dataset(); to start over, let the "
+                "first iteration end (run it out or break out of its loop) and drop references "
+                "to its iterator"
+            )
+        self._claim(handle)
+
+    def _settle(self) -> None:
+        """Let a waiting iterator take over if the iteration in progress was dropped unfinished.
+
+        (An iteration that ran out keeps its end as the position until the
+        waiting iterator's first ``next()``, as after any finished pass.)
+        """
+        waiting = self._waiting() if self._waiting is not None else None
+        if waiting is None or waiting.live is not None:
+            self._waiting = None
+            return
+        owner = self._owner() if self._owner is not None else None
+        if owner is None and self._live is not None and self._live.in_progress \
+                and self._live.pid == os.getpid():
+            self._claim(waiting)
 
     def _drop_live(self) -> None:
         if self._live is not None:
             self._live.close()
             self._live = None
+        self._owner = None
 
     def close(self) -> None:
         """Release the live iterator's workers (it is also released when it ends)."""
@@ -209,8 +328,10 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         The live iterator's position (after the last item it handed out);
         before any iteration, the state waiting to be loaded, else the
         start of this process's lanes; ``{}`` for a DataLoader worker that
-        owns no lane.
+        owns no lane. An iterator waiting for an iteration in progress that
+        has meanwhile been dropped takes over first (see the module doc).
         """
+        self._settle()
         live = self._live
         if live is not None and live.pid == os.getpid():
             return live.position()
@@ -221,7 +342,7 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
             return {}
         kwargs["runner"] = "inline"  # a state needs no worker pool
         with self.pipeline.iter(lanes=lanes, **kwargs) as start:
-            return start.state_dict()
+            return start.state_for_snapshot()  # the state_dict() unless deterministic=False
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Resume from ``state`` at the next ``iter()``.
@@ -255,7 +376,7 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         # The live iterator (threads, pools) stays in the process that made it.
         state = dict(self.__dict__)
-        state["_live"] = None
+        state["_live"] = state["_owner"] = state["_waiting"] = None
         return state
 
     def __repr__(self) -> str:

@@ -72,7 +72,23 @@ How one iteration is laid out (``in_process=False``, the default)::
   each rank run to its own end.
 * **Epochs.** Iterating again after the end (or after a ``break``) starts
   the pipeline over from the beginning, unless a state was loaded in
-  between. Starting a new iteration ends the previous one.
+  between.
+* **One iteration at a time.** A loader has one position, so it runs one
+  iteration at a time. An iteration is *in progress* from its first batch
+  until it ends, is closed, or its iterator is no longer referenced (a
+  ``break`` drops the ``for`` loop's iterator). A new iterator that starts
+  (its first ``next()``) while another is in progress is refused with a
+  ``RuntimeError`` and changes nothing: ``next(iter(loader))`` inside the
+  training loop neither ends that loop nor moves the position
+  :meth:`DataLoader.state_dict` saves. A bare ``iter()`` is always
+  allowed; when nothing is in progress it becomes the current iteration
+  at once (so the position is where it will start).
+  :meth:`DataLoader.load_state_dict` ends an iteration in progress, whose
+  next ``next()`` then raises a ``RuntimeError`` rather than ending quietly.
+* **Timeout.** ``timeout=`` (seconds, as in torch) bounds the wait for
+  each batch in ``next()``; when it passes, the iteration ends, its engine
+  process is stopped, and a ``RuntimeError`` names the process that did
+  not deliver (the engine's pid, or the prefetch thread in process).
 * **Lifetime.** The engine process and its pool start at the iteration's
   first ``next()`` (a bare ``iter()``, such as Lightning's check that the
   loader is iterable, starts nothing and leaves a loaded state in place).
@@ -89,20 +105,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 import multiprocessing
 import multiprocessing.util
+import os
 import queue
+import re
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
-from zephon_torch.checkpoint import check_state, merge_states, state_checksum
+from zephon_torch.checkpoint import (
+    check_state,
+    merge_states,
+    refuse_nondeterministic,
+    state_checksum,
+)
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.iterator import owned_lanes, resolve_topology
 from zephon_torch.torch._loader_dist import StepVote, in_group, vote_group
@@ -133,7 +158,6 @@ _TORCH_ONLY = {
     "multiprocessing_context": "the engine and its workers are always spawned",
     "generator": "randomness is a pure function of the pipeline's seeds and the data",
     "persistent_workers": "the engine process lives for one iteration (one epoch)",
-    "timeout": "a dead engine or worker is detected and reported; there is no timeout",
     "pin_memory_device": "pass device= (tensors are pinned, then copied there)",
     "in_order": "pass deterministic=False for completion order",
 }
@@ -142,6 +166,9 @@ _POLL = 0.1  # seconds between liveness checks while a thread waits on a queue
 # of them unused (Lightning's fetcher holds one).
 _REMEMBERED = 8
 _FIT_LOOP_MODULES = ("lightning.pytorch.loops.fit_loop", "pytorch_lightning.loops.fit_loop")
+# The Lightning releases whose fit loop _lightning_view was tested with (>= first, < second);
+# the "lightning" extra of pyproject.toml pins the same range.
+TESTED_LIGHTNING = ((2, 2), (2, 7))
 
 
 # --------------------------------------------------------------------------- the loader
@@ -175,6 +202,11 @@ class DataLoader:
             each rank runs to its own end. No effect without distributed.
         rank, world_size: The topology (default: ``torch.distributed`` when
             initialized, else ``RANK``/``WORLD_SIZE``, else 0 and 1).
+        timeout: Seconds ``next()`` waits for a batch before it ends the
+            iteration with a ``RuntimeError`` naming the engine process (as
+            torch's ``timeout``; ``0``, the default: wait as long as the
+            engine lives). The first batch's wait includes the engine's
+            start-up (a spawn and its imports, seconds).
         **iter_kwargs: More ``Pipeline.iter`` arguments (``deterministic``,
             ``microbatch_sizes``, ``lanes``).
 
@@ -203,6 +235,7 @@ class DataLoader:
         on_uneven: str = "stop",
         rank: int | None = None,
         world_size: int | None = None,
+        timeout: float = 0,
         **iter_kwargs: Any,
     ) -> None:
         if args:
@@ -233,11 +266,28 @@ class DataLoader:
         self.on_uneven = on_uneven
         self.rank = rank
         self.world_size = world_size
+        self.timeout = timeout
         self.iter_kwargs = dict(iter_kwargs)
         self._fingerprint = self.pipeline.fingerprint()
         self._position = _Position()
         self._loaded: dict[str, Any] | None = None  # waits for the next iteration
+        # The current iteration's iterator (held weakly: a dropped iterator ends its run).
         self._active: weakref.ref[_LoaderIterator] | None = None
+        self._lightning_warned: set[str] = set()  # warnings about Lightning given once
+
+    @property
+    def timeout(self) -> float:
+        """Seconds ``next()`` waits for a batch (``0``: no limit); read at every ``next()``."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._timeout = _check_timeout(value)
+
+    @property
+    def checkpointable(self) -> bool:
+        """Whether :meth:`state_dict` can describe an exact position (``deterministic=True``)."""
+        return bool(self.iter_kwargs.get("deterministic", True))
 
     @property
     def dataset(self) -> Pipeline:
@@ -247,14 +297,47 @@ class DataLoader:
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> _LoaderIterator:
-        self._end_active()
         # The iteration starts at its first next(): Lightning calls iter() once just to
         # check that the loader is iterable, which must neither start an engine process
-        # nor use up a loaded state. Until then the position is where it will start.
-        self._position.reset(self._loaded)
-        iterator = _LoaderIterator(self._start, self._position)
-        self._active = weakref.ref(iterator)
+        # nor use up a loaded state. While another iteration is in progress, the new
+        # iterator changes nothing here; its first next() decides (see _begin).
+        iterator = _LoaderIterator(self)
+        if self._in_progress() is None:
+            self._claim(iterator)
         return iterator
+
+    def _in_progress(self) -> _LoaderIterator | None:
+        """The current iteration, if it has started, not ended, and is still referenced."""
+        active = self._active() if self._active is not None else None
+        if active is not None and active.started and not active.done:
+            return active
+        return None
+
+    def _claim(self, iterator: _LoaderIterator) -> None:
+        """Make ``iterator`` the current iteration; the position is where it will start."""
+        self._active = weakref.ref(iterator)
+        self._position.reset(self._loaded)
+
+    def _begin(self, iterator: _LoaderIterator) -> _Run:
+        """Start ``iterator``'s run (its first next()), unless another iteration is in progress.
+
+        Raises:
+            RuntimeError: Another iterator of this loader has handed out
+                batches, has not ended and is still referenced.
+        """
+        running = self._in_progress()
+        if running is not None and running is not iterator:
+            raise RuntimeError(
+                f"this zephon DataLoader has an iteration in progress ({self._position.count} "
+                "batch(es) handed out, not finished), and a loader runs one iteration at a time: "
+                "starting another would end that one and move the position state_dict() saves. "
+                "To look at a batch inside the training loop, use a second DataLoader over the "
+                "same pipeline; to start over, let the first iteration end (run it out, break "
+                "out of its loop, or call its close()) and drop references to its iterator"
+            )
+        if self._active is None or self._active() is not iterator:
+            self._claim(iterator)
+        return self._start()
 
     def _start(self) -> _Run:
         """Start the producer and prefetch thread of a new iteration (at its first next())."""
@@ -286,10 +369,15 @@ class DataLoader:
         placer = Placer(with_index(self.device), self.pin_memory)
         return _Run(producer, placer, self.prefetch_factor, vote)
 
-    def _end_active(self) -> None:
+    def _end_active(self, reason: str | None = None) -> None:
+        """End the current iteration; ``reason``: why, for an iterator in progress to raise."""
         active = self._active() if self._active is not None else None
+        if active is not None and reason is not None and not active.started:
+            return  # a bare iter(): it starts from the loaded state at its first next()
         self._active = None
         if active is not None:
+            if reason is not None and not active.done:
+                active.ended_by = f"{reason} after {self._position.count} batch(es)"
             active.close()
 
     # ------------------------------------------------------------------ checkpoints
@@ -317,6 +405,7 @@ class DataLoader:
         Raises:
             RuntimeError: Under Lightning, its fetcher holds more batches of
                 this loader than the loader remembers the states of.
+            NotCheckpointableError: The loader runs with ``deterministic=False``.
 
         While Lightning's ``Trainer.fit`` iterates this loader as its train
         loader, the caller is the training step rather than Lightning's
@@ -327,6 +416,8 @@ class DataLoader:
         state Lightning saves is gathered (``gather=None``): each rank first
         answers for the batches its own fetcher holds, then the ranks merge.
         """
+        if not self.checkpointable:
+            raise refuse_nondeterministic("DataLoader.state_dict()")
         view = _lightning_view(self)
         local = self._local_state(view)
         if gather is None:
@@ -392,11 +483,12 @@ class DataLoader:
             ValueError: The state is corrupted or belongs to another pipeline
                 configuration.
         """
-        checked = check_state(state, self._fingerprint)
+        checked = check_state(state, self._fingerprint, stage_names=self.pipeline.stage_names(),
+                              deterministic=self.checkpointable)
         if checked["num_lanes"] != self.pipeline.source.num_lanes:
             raise ValueError(f"the state has {checked['num_lanes']} lanes, this pipeline "
                              f"{self.pipeline.source.num_lanes}")
-        self._end_active()
+        self._end_active("load_state_dict()")
         self._loaded = copy.deepcopy(checked)
 
     # ------------------------------------------------------------------ lifetime
@@ -494,6 +586,13 @@ def _lightning_view(loader: DataLoader) -> _FitView | None:
     when ``loader`` is one of its train loaders itself (not, say, the
     loader inside a ``ZephonDataModule`` stream, which counts for itself).
 
+    These are private names of Lightning (tested with the releases in
+    :data:`TESTED_LIGHTNING`). Where the fit loop is on the stack but one of
+    them is missing or of another type, or Lightning is another release, the
+    loader warns once (``RuntimeWarning``): the saved position may be off by
+    the batches Lightning prefetched, and ``ZephonDataModule`` does not
+    depend on them.
+
     ``saving`` is true when the innermost fit-loop frame is its
     ``on_save_checkpoint``: ``Trainer.save_checkpoint`` builds the whole
     checkpoint (``dump_checkpoint``) on every rank, and only then lets rank
@@ -505,21 +604,91 @@ def _lightning_view(loader: DataLoader) -> _FitView | None:
     """
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_globals.get("__name__") in _FIT_LOOP_MODULES:
+        module = frame.f_globals.get("__name__")
+        if module in _FIT_LOOP_MODULES:
             owner = frame.f_locals.get("self")
             if owner is not None and _is_fit_loop(owner):
-                combined = getattr(owner, "_combined_loader", None)
-                if not any(dl is loader for dl in getattr(combined, "flattened", ())):
-                    return None
                 saving = frame.f_code.co_name == "on_save_checkpoint"
-                fetcher = getattr(owner, "_data_fetcher", None)
-                if fetcher is None:
-                    return _FitView(0, False, saving)
-                batches = getattr(fetcher, "batches", None)
-                held = len(batches) if isinstance(batches, list) else 0
-                return _FitView(held, bool(getattr(fetcher, "done", False)), saving)
+                return _read_fit_loop(loader, owner, module.split(".")[0], saving)
         frame = frame.f_back
     return None
+
+
+def _read_fit_loop(loader: DataLoader, loop: Any, package: str, saving: bool) -> _FitView | None:
+    """:func:`_lightning_view` of the fit loop ``loop`` (of the Lightning ``package``)."""
+    version = str(getattr(sys.modules.get(package), "__version__", "of unknown version"))
+
+    def unexpected(what: str) -> None:
+        _warn_lightning(loader, "structure", (
+            f"zephon DataLoader under Lightning {version}: its fit loop does not have the "
+            f"structure this loader reads to count the batches Lightning's fetcher took ahead "
+            f"of the training step ({what}), so the position saved in checkpoints may be off "
+            "by the batch(es) Lightning prefetched (a resume would skip them). Use "
+            "zephon_torch.lightning.ZephonDataModule, which counts batches through a public "
+            "hook, instead of passing the loader to Trainer.fit directly"
+        ))
+
+    if not hasattr(loop, "_combined_loader"):
+        unexpected(f"{type(loop).__name__} has no '_combined_loader'")
+        return None
+    combined = loop._combined_loader
+    if combined is None:
+        return None  # no train loader set up yet: this loader is not one of them
+    flattened = getattr(combined, "flattened", None)
+    if not isinstance(flattened, (list, tuple)):
+        unexpected(f"its combined loader ({type(combined).__name__}) has no 'flattened' list")
+        return None
+    if not any(dl is loader for dl in flattened):
+        return None
+    _check_lightning_version(loader, package, version)
+    if not hasattr(loop, "_data_fetcher"):
+        unexpected(f"{type(loop).__name__} has no '_data_fetcher'")
+        return _FitView(0, False, saving)
+    fetcher = loop._data_fetcher
+    if fetcher is None:
+        return _FitView(0, False, saving)  # between fits: nothing is held
+    kinds = {cls.__name__ for cls in type(fetcher).__mro__}
+    done = getattr(fetcher, "done", None)
+    if not isinstance(done, bool):
+        unexpected(f"{type(fetcher).__name__}.done is {type(done).__name__}, not a bool")
+        done = False
+    batches = getattr(fetcher, "batches", None)
+    if "_DataLoaderIterDataFetcher" in kinds:
+        held = 0  # the step pulls its batches itself: none is held ahead of it
+    elif "_PrefetchDataFetcher" in kinds and isinstance(batches, list):
+        held = len(batches)
+    else:
+        if "_PrefetchDataFetcher" in kinds:
+            unexpected(f"{type(fetcher).__name__}.batches is {type(batches).__name__}, not a "
+                       "list")
+        else:
+            unexpected(f"an unknown data fetcher, {type(fetcher).__name__}")
+        held = len(batches) if isinstance(batches, list) else 0
+    return _FitView(held, done, saving)
+
+
+def _check_lightning_version(loader: DataLoader, package: str, version: str) -> None:
+    """Warn (once per loader) when Lightning is not a release the fit-loop view was tested with."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    low, high = TESTED_LIGHTNING
+    if match is not None and low <= (int(match[1]), int(match[2])) < high:
+        return
+    tested = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    _warn_lightning(loader, "version", (
+        f"zephon DataLoader under {package} {version}: to save the position of the batch the "
+        f"training step received, this loader reads private parts of Lightning's fit loop, "
+        f"tested with lightning{tested}; with another release the position saved in "
+        "checkpoints may be off by the batch(es) Lightning prefetched. Use "
+        "zephon_torch.lightning.ZephonDataModule, which relies on a public hook only, or a "
+        f"tested Lightning (pip install 'lightning{tested}')"
+    ))
+
+
+def _warn_lightning(loader: DataLoader, key: str, message: str) -> None:
+    if key in loader._lightning_warned:
+        return
+    loader._lightning_warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=6)  # the caller of state_dict()
 
 
 def _is_fit_loop(obj: object) -> bool:
@@ -553,6 +722,17 @@ def _as_pipeline(pipeline: Any) -> Pipeline:
         f"zephon_torch.DataLoader runs a zephon_torch.Pipeline, got {type(pipeline).__name__}; "
         "for other datasets use torch.utils.data.DataLoader"
     )
+
+
+def _check_timeout(timeout: Any) -> float:
+    """Torch's ``timeout``: seconds to wait for a batch, ``0`` for no limit."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(
+            f"timeout must be a finite number of seconds >= 0 (0: wait without limit), "
+            f"got {timeout!r}"
+        )
+    return float(timeout)
 
 
 def _check_num_workers(num_workers: Any) -> int:
@@ -635,6 +815,7 @@ class _Run:
         self.queue: queue.Queue[tuple] = queue.Queue(maxsize=prefetch_factor)
         self.stopping = threading.Event()
         self.closed = False
+        self.timed_out = False  # the caller gave up waiting: the thread may be stuck
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._prefetch, name="zephon-loader-prefetch",
                                        daemon=True)
@@ -670,14 +851,44 @@ class _Run:
                 continue
         return False
 
-    def get(self) -> tuple:
-        """The next event, waiting as long as the prefetch thread lives."""
+    def get(self, timeout: float = 0) -> tuple:
+        """The next event, waiting as long as the prefetch thread lives (at most ``timeout`` s).
+
+        Args:
+            timeout: Seconds to wait; ``0``: no limit. When it passes, the
+                event is an ``("error", RuntimeError)`` naming the producer.
+        """
+        deadline = time.monotonic() + timeout if timeout else None
         while True:
+            wait = _POLL if deadline is None else min(_POLL, max(0.0, deadline - time.monotonic()))
             try:
-                return self.queue.get(timeout=_POLL)
+                return self.queue.get(timeout=wait)
             except queue.Empty:
                 if not self.thread.is_alive() and self.queue.empty():
                     return ("gone",)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.timed_out = True
+                    return ("error", RuntimeError(self._timed_out(timeout)))
+
+    def _timed_out(self, timeout: float) -> str:
+        """The message of a batch that did not come within ``timeout`` seconds."""
+        if isinstance(self.producer, InProcessProducer):
+            who = ("the pipeline on the loader's prefetch thread (in_process=True, in this "
+                   f"process, pid {os.getpid()})")
+            pid = os.getpid()
+        else:
+            pid = self.producer.pid
+            who = (f"the loader's engine process (pid {pid})" if pid is not None
+                   else "the loader's engine process (still starting)")
+        where = f"`py-spy dump --pid {pid}` shows where it is; " if pid is not None else ""
+        ended = ("the iteration is ended" if isinstance(self.producer, InProcessProducer)
+                 else "the iteration is ended and the engine stopped")
+        return (
+            f"zephon DataLoader timed out after {timeout:g} seconds waiting for a batch from "
+            f"{who}: it is stuck (a deadlock, a read that never returns), stopped (SIGSTOP, a "
+            f"debugger) or slower than that; {ended}. {where}raise timeout= if batches "
+            "legitimately take longer"
+        )
 
     def close(self) -> None:
         """Stop the producer and the thread; idempotent, from any thread."""
@@ -691,7 +902,9 @@ class _Run:
             while True:
                 self.queue.get_nowait()
         if self.thread is not threading.current_thread():
-            self.thread.join(timeout=10.0)
+            # After a timeout the thread may be stuck in the pipeline (in process): it ends
+            # by itself, closing the pipeline iterator, when that call returns.
+            self.thread.join(timeout=_POLL if self.timed_out else 10.0)
         _LIVE_RUNS.discard(self)
 
 
@@ -713,15 +926,27 @@ multiprocessing.util.Finalize(None, _close_live_runs, exitpriority=100)
 class _LoaderIterator:
     """The iterator of one pass over a :class:`DataLoader` (see the module doc).
 
-    Its run (producer, prefetch thread) starts at the first ``next()``.
+    Its run (producer, prefetch thread) starts at the first ``next()``, if
+    no other iteration of the loader is in progress then.
     """
 
-    def __init__(self, start: Callable[[], _Run], position: _Position) -> None:
-        self._start: Callable[[], _Run] | None = start
-        self._position = position
+    def __init__(self, loader: DataLoader) -> None:
+        self._loader = loader
+        self._position = loader._position
         self._run: _Run | None = None
         self._done = False
+        self.ended_by: str | None = None  # what ended the iteration while it was in progress
         self._finalizer: weakref.finalize | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the run has started (the first ``next()`` was accepted)."""
+        return self._run is not None
+
+    @property
+    def done(self) -> bool:
+        """Whether the iteration has ended (run out, failed, or closed)."""
+        return self._done
 
     @property
     def engine_pid(self) -> int | None:
@@ -732,15 +957,20 @@ class _LoaderIterator:
         return self
 
     def __next__(self) -> Any:
+        if self.ended_by is not None:
+            raise RuntimeError(
+                f"this iteration of the zephon DataLoader was ended by {self.ended_by}; the "
+                "loaded state applies to a new iteration: iterate the loader again (for batch "
+                "in loader) to continue from it"
+            )
         if self._done:
             raise StopIteration
         run = self._run
         if run is None:
-            assert self._start is not None
-            run, self._start = self._start(), None
+            run = self._loader._begin(self)  # refuses while another iteration is in progress
             self._run = run
             self._finalizer = weakref.finalize(self, run.close)
-        event = run.get()
+        event = run.get(self._loader.timeout)
         kind = event[0]
         vote = run.vote
         # Every rank votes at every step, errors and ends included, so that no rank
@@ -769,7 +999,6 @@ class _LoaderIterator:
     def close(self) -> None:
         """Stop the engine process and the prefetch thread (the generator-style close)."""
         self._done = True
-        self._start = None
         if self._finalizer is not None:
             self._finalizer()
 

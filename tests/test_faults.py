@@ -422,9 +422,9 @@ def _owned_segments(pids: set[int]) -> list[str]:
         ("iterator", "process", "raises"),
         ("iterator", "process", "flag"),
         ("loader", "process", "none"),
-        pytest.param("loader", "group", "none", marks=pytest.mark.xfail(
-            strict=True, reason="the engine process keeps the batches it sent to a reader "
-            "that SIGTERM killed (torch/_loader_engine.py)")),
+        # A scheduler stopping the job: the reader dies by the default action, with the
+        # batches the engine has sent it still in transit.
+        ("loader", "group", "none"),
     ],
 )
 def test_sigterm_mid_iteration_leaves_no_segment_or_worker_and_still_ends_the_process(
@@ -471,6 +471,82 @@ def test_sigterm_mid_iteration_leaves_no_segment_or_worker_and_still_ends_the_pr
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(shm.segment_dir(), name))
     assert (alive, left) == (set(), [])
+
+
+def _wide_pipe() -> Pipeline:
+    # 8 KiB per record, 32 KiB per batch: every batch crosses in a segment of its own.
+    return (Pipeline.from_items(_texts(2000), num_lanes=4, chunk_size=8)
+            .map_transform(lambda p: {"ids": np.full(1024, len(p["text"]), np.int64)})
+            .batch(4))
+
+
+def _in_transit() -> list[str]:
+    """Segments of batches the loader's engine has sent and the reader not yet read.
+
+    Waits until they stay the same for a while: the reader's queue is full and the
+    engine has used its credits, so nothing moves until the test consumes.
+    """
+    deadline = time.monotonic() + 30
+    seen, since = sorted(_segments()), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = sorted(_segments())
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif seen and time.monotonic() - since > 0.5:
+            return seen
+    raise AssertionError(f"expected batches waiting in transit, saw {seen}")
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_to_the_loader_engine_alone_delivers_what_it_sent_then_an_error_naming_it(
+        clean: set[int]) -> None:
+    pytest.importorskip("torch")
+    from zephon_torch import DataLoader
+
+    it = _wide_pipe().iter(runner="inline")
+    want = [next(it) for _ in range(60)]
+    it.close()
+    loader = DataLoader(_wide_pipe(), num_workers=0, to_training=False, prefetch_factor=4)
+    it = iter(loader)
+    got = [next(it)]
+    engine = it.engine_pid
+    in_transit = _in_transit()
+    # The engine alone, as when a trainer's own SIGTERM handler keeps the training process
+    # alive: the batches already sent stay for it to read, then the end is loud.
+    os.kill(engine, signal.SIGTERM)
+    time.sleep(1.0)  # the engine has closed its pipeline meanwhile
+    assert set(in_transit) <= set(_segments())
+    with pytest.raises(RuntimeError, match=rf"loader's engine process \(pid {engine}\) was "
+                                           rf"stopped by SIGTERM \(exit code 143\) before "
+                                           rf"the end of the data"):
+        while len(got) < len(want):
+            got.append(next(it))
+    assert_same(want[:len(got)], got, label="up to the SIGTERM")
+    loader.close()
+    assert_released(clean)
+
+
+@pytest.mark.timeout(120)
+def test_a_loader_segment_deleted_by_someone_else_is_an_error_naming_it(
+        clean: set[int]) -> None:
+    pytest.importorskip("torch")
+    from zephon_torch import DataLoader
+
+    loader = DataLoader(_wide_pipe(), num_workers=0, to_training=False, prefetch_factor=4)
+    it = iter(loader)
+    next(it)
+    for name in _in_transit():  # what systemd's RemoveIPC=yes does at a logout
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(shm.segment_dir(), name))
+    with pytest.raises(RuntimeError, match=r"the shared-memory segment .* of a batch from the "
+                                           r"zephon loader's engine process \(pid \d+\) was "
+                                           r"removed before it was read, while the engine "
+                                           r"still runs"):
+        for _ in range(500):
+            next(it)
+    loader.close()
+    assert_released(clean)
 
 
 @pytest.mark.timeout(120)

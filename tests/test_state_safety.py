@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -250,3 +251,36 @@ def test_a_replaced_or_added_operator_is_named() -> None:
     with longer.iter(runner="inline") as it, \
             pytest.raises(ValueError, match=r"ops\[2\] map_transform \(not in the state's"):
         it.load_state_dict(state)
+
+
+def _slowly(payload: Any) -> Any:
+    time.sleep(0.002)  # a stage that keeps next() waiting on its workers, lock held
+    return payload
+
+
+def test_a_state_asked_from_another_thread_waits_for_one_item_at_most() -> None:
+    # The iterating thread never pauses between items, so a plain lock (released and
+    # taken again at once) would let it run on and starve the checkpoint thread.
+    pipe = items_pipe(400, num_lanes=2, chunk_size=4).map_transform(_slowly)
+    it = pipe.iter(runner="threads", num_workers=1, microbatch_sizes={"map_transform": 1})
+    handed = [0]
+    waits: list[int] = []
+    done = threading.Event()
+
+    def checkpoint() -> None:
+        while not done.is_set() and len(waits) < 20:
+            asked = handed[0]
+            state = it.state_dict()
+            waits.append(sum(e["outputs"] for e in state["lanes"].values()) - asked)
+
+    thread = threading.Thread(target=checkpoint)
+    thread.start()
+    try:
+        for _ in it:
+            handed[0] += 1
+    finally:
+        done.set()
+        thread.join()
+        it.close()
+    assert waits, "the checkpoint thread never got a state"
+    assert max(waits) <= 2, f"a state waited for up to {max(waits)} items: {waits}"

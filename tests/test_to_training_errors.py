@@ -6,6 +6,7 @@ field or value.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -370,3 +371,142 @@ def test_eos_token_id_warns_for_empty_batches():
     with pytest.warns(UserWarning, match="eos_token_id"):
         out = SampleBatch([]).to_training(eos_token_id=2)
     assert out == {"ids": [], "texts": []}
+
+
+# --------------------------------------------------------------------------- no quiet casts
+# Each of these was once accepted and quietly turned into something else.
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype_name"),
+    [(np.array([0, 0.5, 1.7, 2.2]), "float64"),  # were truncated to [0, 0, 1, 2]
+     (np.array([0.0, 1.0, 2.0, 3.0], dtype=np.float32), "float32"),  # whole, still floats
+     ([0, 0.5, 1.7, 2.2], "float64"),
+     (np.array([True, False, True, True]), "bool"),  # were read as 1, 0, 1, 1
+     (torch.tensor([0.0, 1.0, 2.0, 3.0]), "float32")],
+    ids=["float", "whole-floats", "list", "bool", "tensor"],
+)
+@pytest.mark.parametrize("kwargs", [{}, {"return_cu_seqlens": True},
+                                    {"return_labels": True, "return_cu_seqlens": True,
+                                     "flatten": True, "dtype": None}],
+                         ids=["forwarded", "cu_seqlens", "flat-lists"])
+def test_positions_that_are_not_integers_are_refused_not_truncated(values, dtype_name, kwargs):
+    b = positioned(arr(0, 1, 2, 3), values)
+    with pytest.raises(ValueError, match=rf"record \(0, 0, 1\): field 'positions' holds "
+                                         rf"{dtype_name} values \(\[.*\]\); positions must be "
+                                         r"integers"):
+        b.to_training(**kwargs)
+
+
+def test_positions_are_not_checked_when_sequence_mode_does_not_read_them():
+    b = positioned(arr(0, 1, 2, 3), np.array([0, 0.5, 1.7, 2.2]))
+    out = b.to_training(position_mode="sequence", dtype=None)
+    assert out["positions"] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("padding", [1.5, 1.0, True, "1"], ids=["float", "whole", "bool", "str"])
+@pytest.mark.parametrize("kwargs", [{"return_labels": True}, {"return_padding_mask": True}])
+def test_a_padding_length_that_is_not_an_integer_is_refused_not_rounded(padding, kwargs):
+    b = batch({"input_ids": arr(1, 2, 3, 4)}, {"input_ids": arr(5, 6, 7, 8)},
+              paddings=[0, padding])
+    with pytest.raises(ValueError, match=rf"record \(0, 0, 1\): padding_length {padding!r} "
+                                         rf"\({type(padding).__name__}\) in its packing "
+                                         r"metadata .* is not an integer"):
+        b.to_training(**kwargs)
+
+
+def test_a_numpy_integer_padding_length_counts_like_an_int():
+    def labels(pad: Any) -> list[list[int]]:
+        b = batch({"input_ids": arr(1, 2, 3, 4)}, {"input_ids": arr(5, 6, 7, 8)},
+                  paddings=[0, pad])
+        return b.to_training(return_labels=True, dtype=None)["labels"]
+
+    assert labels(np.int64(2)) == labels(2) == [[2, 3, 4], [6, -100, -100]]
+
+
+@pytest.mark.parametrize("ignore_index", [-100.5, -100.0, True, np.bool_(False), "-100", None],
+                         ids=["float", "whole-float", "bool", "numpy-bool", "str", "none"])
+@pytest.mark.parametrize("empty", [False, True])
+def test_ignore_index_that_is_not_an_int_is_a_type_error(ignore_index, empty):
+    b = SampleBatch([]) if empty else batch({"input_ids": arr(1, 2, 3)}, paddings=[1])
+    with pytest.raises(TypeError, match=rf"ignore_index must be an int .*, got "
+                                        rf"{re.escape(repr(ignore_index))} "
+                                        rf"\({type(ignore_index).__name__}\)"):
+        b.to_training(return_labels=True, ignore_index=ignore_index)
+
+
+def test_a_numpy_integer_ignore_index_is_an_int():
+    b = batch({"input_ids": arr(1, 2, 3)}, paddings=[1])
+    out = b.to_training(return_labels=True, ignore_index=np.int32(-7), dtype=None)
+    assert out["labels"] == [[2, -7]]
+
+
+@pytest.mark.parametrize(
+    ("payload", "source"),
+    [({"input_ids": np.array([True, False, True])}, "token field 'input_ids'"),
+     ({"input_ids": [True, False, True]}, "token field 'input_ids'"),
+     ({"input_ids": torch.tensor([True, False, True])}, "token field 'input_ids'"),
+     (np.array([True, False, True]), "token array"),
+     (torch.tensor([True, False, True]), "token array")],
+    ids=["numpy", "list", "tensor", "bare-numpy", "bare-tensor"],
+)
+def test_bool_token_rows_are_refused_not_read_as_ids_0_and_1(payload, source):
+    first = payload if isinstance(payload, dict) else np.array([1, 2, 3])
+    b = batch({"input_ids": arr(1, 2, 3)} if isinstance(payload, dict) else first, payload)
+    with pytest.raises(ValueError, match=rf"record \(0, 0, 1\): {source} holds bool values "
+                                         r"\(\[True, False, True\]\); token ids must be "
+                                         r"integers"):
+        b.to_training(dtype=None)
+
+
+@pytest.mark.parametrize("payloads", [[arr(1, 2, 3), arr(4, 5, 6)], [[1, 2, 3], [4, 5, 6]],
+                                      [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])]],
+                         ids=["numpy", "list", "tensor"])
+def test_an_explicit_tokens_field_over_bare_arrays_is_refused_not_ignored(payloads):
+    b = batch(*payloads)
+    with pytest.raises(ValueError, match=r"tokens_field='input_ids' names a payload field, but "
+                                         r"the payloads are bare token arrays \(record "
+                                         r"\(0, 0, 0\) holds a \w+\), which have no fields"):
+        b.to_training(tokens_field="input_ids")
+    assert b.to_training(dtype=None)["input_ids"] == [[1, 2, 3], [4, 5, 6]]  # "auto" reads them
+
+
+def test_an_explicit_tokens_field_over_mixed_payloads_is_still_the_mixing_type_error():
+    b = batch(arr(1, 2, 3), {"input_ids": arr(4, 5, 6)})
+    with pytest.raises(TypeError, match="neither all dicts nor all arrays"):
+        b.to_training(tokens_field="input_ids")
+
+
+@pytest.mark.parametrize("option", ["exclude_fields", "extra_fields"])
+@pytest.mark.parametrize("value", [None, 5], ids=["none", "int"])
+@pytest.mark.parametrize("empty", [False, True])
+def test_field_name_options_that_are_not_sequences_are_a_clear_type_error(option, value, empty):
+    b = SampleBatch([]) if empty else simple()
+    with pytest.raises(TypeError, match=rf"{option} must be a sequence of field names, not "
+                                        rf"{value!r} \({type(value).__name__}\); write "
+                                        rf"{option}=\(\) for none"):
+        b.to_training(**{option: value})
+
+
+@pytest.mark.parametrize("text", [[5], 5, b"bytes", {"en": "hi"}], ids=["list", "int", "bytes",
+                                                                       "dict"])
+def test_a_text_that_is_not_a_string_is_refused_not_returned_as_a_text(text):
+    b = batch({"input_ids": arr(1, 2, 3), "text": "fine"}, {"input_ids": arr(4, 5, 6),
+                                                             "text": text})
+    with pytest.raises(ValueError, match=rf"record \(0, 0, 1\): its 'text' field holds a "
+                                         rf"{type(text).__name__} \(.*\), not a str; .* "
+                                         r"exclude_fields=\('texts',\)"):
+        b.to_training()
+    # Where texts are not returned, nobody reads them: the batch is fine.
+    assert "texts" not in b.to_training(exclude_fields=("texts",))
+    renamed = b.to_training(rename_fields={"texts": "raw"}, exclude_fields=("raw",))
+    assert "raw" not in renamed and "texts" not in renamed
+    with pytest.raises(ValueError, match=r"exclude_fields=\('raw',\)"):
+        b.to_training(rename_fields={"texts": "raw"})
+
+
+def test_texts_are_strings_or_empty_where_a_payload_has_none():
+    b = batch({"input_ids": arr(1, 2), "text": "a"}, {"input_ids": arr(3, 4), "text": None},
+              {"input_ids": arr(5, 6)}, {"input_ids": arr(7, 8), "text": np.str_("b")})
+    assert b.to_training()["texts"] == ["a", "", "", "b"]
+    assert batch(arr(1, 2), arr(3, 4)).to_training()["texts"] == ["", ""]

@@ -66,9 +66,10 @@ def batch_to_training(
     pin_memory: bool,
 ) -> dict[str, Any]:
     """Implementation of :meth:`zephon_torch.types.SampleBatch.to_training`."""
-    extra_fields = _validate_options(
+    extra_fields, exclude_fields = _validate_options(
         return_labels=return_labels, extra_fields=extra_fields,
-        exclude_fields=exclude_fields, return_num_valid_tokens=return_num_valid_tokens,
+        exclude_fields=exclude_fields, ignore_index=ignore_index,
+        return_num_valid_tokens=return_num_valid_tokens,
         return_loss_mask=return_loss_mask, return_cu_seqlens=return_cu_seqlens,
         return_padding_mask=return_padding_mask, eos_mask_loss=eos_mask_loss,
         eos_token_id=eos_token_id, position_mode=position_mode,
@@ -90,9 +91,13 @@ def batch_to_training(
             "pass flatten=True to concatenate them, or dtype=None for per-row lists"
         )
 
+    # Texts are checked to be strings only where they are returned: a batch whose
+    # texts are excluded (under their final name) need not have any.
+    texts_name = rename_fields.get("texts", "texts") if rename_fields else "texts"
     out: dict[str, Any] = {
         "ids": [r.meta.sample_id for r in records],
-        "texts": [_text_of(p) for p in batch.payloads],
+        "texts": ([] if texts_name in exclude_fields
+                  else [_text_of(r, p, texts_name) for r, p in zip(records, batch.payloads)]),
     }
     work = fmt.work_dtype
     # Input-aligned rows drop the last token when labels are made; labels drop the first.
@@ -113,7 +118,8 @@ def batch_to_training(
     loss_rows = batch.field_rows("loss_mask", required=False, scalar=True)
     position_rows = None
     if position_mode == "preserve" or return_cu_seqlens:
-        position_rows = batch.field_rows("positions", required=return_cu_seqlens, scalar=True)
+        position_rows = batch.field_rows("positions", required=return_cu_seqlens, scalar=True,
+                                         integer=True)
 
     labels = None
     if return_labels:
@@ -166,22 +172,41 @@ def batch_to_training(
 # --------------------------------------------------------------------------- options
 
 
+def _field_names(option: str, value: Any) -> tuple[str, ...]:
+    """``extra_fields``/``exclude_fields`` as a tuple; a string or a non-sequence is refused."""
+    if isinstance(value, str):
+        raise TypeError(
+            f"{option} must be a sequence of field names, not the string "
+            f"{value!r}; write {option}=({value!r},)"
+        )
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"{option} must be a sequence of field names, not {value!r} "
+            f"({type(value).__name__}); write {option}=() for none, or e.g. "
+            f"{option}=('attention_mask',)"
+        ) from None
+
+
 def _validate_options(
     *, return_labels: bool, extra_fields: Sequence[str], exclude_fields: Sequence[str],
-    return_num_valid_tokens: bool, return_loss_mask: bool, return_cu_seqlens: bool,
-    return_padding_mask: bool, eos_mask_loss: bool, eos_token_id: Any, position_mode: str,
-) -> tuple[str, ...]:
-    if isinstance(exclude_fields, str):
+    ignore_index: Any, return_num_valid_tokens: bool, return_loss_mask: bool,
+    return_cu_seqlens: bool, return_padding_mask: bool, eos_mask_loss: bool,
+    eos_token_id: Any, position_mode: str,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Check the options; return ``extra_fields`` and ``exclude_fields`` as tuples."""
+    exclude = _field_names("exclude_fields", exclude_fields)
+    extra = _field_names("extra_fields", extra_fields)
+    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
+            ignore_index, (int, np.integer)):
+        # A float would be truncated into integer labels (-100.5 becomes -100), and
+        # True would quietly ignore every label of token id 1.
         raise TypeError(
-            f"exclude_fields must be a sequence of field names, not the string "
-            f"{exclude_fields!r}; write exclude_fields=({exclude_fields!r},)"
+            f"ignore_index must be an int (the label value the loss ignores, -100 by "
+            f"default), got {ignore_index!r} ({type(ignore_index).__name__}); labels hold "
+            "integer token ids, so pass an int such as ignore_index=-100"
         )
-    if isinstance(extra_fields, str):
-        raise TypeError(
-            f"extra_fields must be a sequence of field names, not the string "
-            f"{extra_fields!r}; write extra_fields=({extra_fields!r},)"
-        )
-    extra = tuple(extra_fields)
     if position_mode not in ("preserve", "sequence"):
         raise ValueError(
             f"unknown position_mode {position_mode!r}; use 'preserve' or 'sequence'"
@@ -229,7 +254,7 @@ def _validate_options(
                 f"extra field {name!r} would overwrite the generated output field {name!r} "
                 f"({why}); rename the payload field, or leave it out of extra_fields"
             )
-    return extra
+    return extra, exclude
 
 
 def _generated_fields(
@@ -279,7 +304,7 @@ def _empty_output(
 
 def _rename_and_exclude(
     out: dict[str, Any], rename_fields: Mapping[str, str] | None,
-    exclude_fields: Sequence[str], *, allow_missing: bool,
+    exclude_fields: tuple[str, ...], *, allow_missing: bool,
 ) -> dict[str, Any]:
     if rename_fields:
         missing = [key for key in rename_fields if key not in out]
@@ -462,25 +487,47 @@ _INPUT_PART = slice(None, -1)
 _LABEL_PART = slice(1, None)
 
 
-def _text_of(payload: Any) -> Any:
-    if isinstance(payload, dict):
-        text = payload.get("text")
-        return "" if text is None else text
-    return ""
+def _text_of(record: Any, payload: Any, output_name: str) -> str:
+    """A payload's ``"text"``, ``""`` where it has none (no field, None, an array payload)."""
+    if not isinstance(payload, dict):
+        return ""
+    text = payload.get("text")
+    if isinstance(text, str):  # str itself, or a subclass such as numpy.str_
+        return text
+    if text is None:
+        return ""
+    # Not a text: returning it would break the promise of a list of strings, and ""
+    # would claim the record has none.
+    shown = repr(text)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise ValueError(
+        f"record {record.meta.sample_id}: its 'text' field holds a {type(text).__name__} "
+        f"({shown}), not a str; to_training returns each payload's text in "
+        f"{output_name!r} ('' where it has none). Store the text as a str (decode bytes "
+        f"first), or leave it out of the output with exclude_fields=({output_name!r},)"
+    )
 
 
-def _check_token_row(record: Any, row: np.ndarray) -> np.ndarray:
+def _check_token_row(record: Any, row: np.ndarray, source: str) -> np.ndarray:
+    """A token row that is not 1-D integers: refused, unless it is an empty row."""
     if row.ndim != 1:
         raise ValueError(
-            f"record {record.meta.sample_id}: token row has shape {row.shape}; token rows "
+            f"record {record.meta.sample_id}: {source} has shape {row.shape}; token rows "
             "must be 1-D sequences of ids"
         )
     if row.size:
+        # Floats would be truncated and bools read as the ids 0 and 1.
         raise ValueError(
-            f"record {record.meta.sample_id}: token row holds {row.dtype} values; token ids "
-            "must be integers"
+            f"record {record.meta.sample_id}: {source} holds {row.dtype} values "
+            f"({_values(row)}); token ids must be integers"
         )
     return row.astype(np.int64)  # an empty list arrives as float64
+
+
+def _values(row: np.ndarray, limit: int = 4) -> str:
+    """The first values of a row, for messages."""
+    shown = ", ".join(repr(v) for v in row[:limit].tolist())
+    return f"[{shown}{', ...' if row.size > limit else ''}]"
 
 
 class _Gathered:
@@ -551,9 +598,19 @@ class _Gathered:
                 )
             if type(row) is not np.ndarray:
                 row = _as_array(row)
-            if row.ndim != 1 or row.dtype.kind not in "iub":
-                row = _check_token_row(record, row)
+            if row.ndim != 1 or row.dtype.kind not in "iu":
+                row = _check_token_row(record, row, self.token_source)
             rows.append(row)
+        if not dicts and field_name != "auto":
+            # Refused after the loop, so that a batch mixing dicts and arrays gets its
+            # own (TypeError) message first.
+            raise ValueError(
+                f"tokens_field={field_name!r} names a payload field, but the payloads are "
+                f"bare token arrays (record {records[0].meta.sample_id} holds a "
+                f"{type(payloads[0]).__name__}), which have no fields; leave "
+                "tokens_field='auto' to take each array as the token row, or give the "
+                f"records dict payloads with a {field_name!r} field"
+            )
         return rows
 
     def stack(self, rows: list[np.ndarray], part: slice,
@@ -588,7 +645,11 @@ class _Gathered:
         for record, length in zip(self.records, self.length_list):
             tags = record.meta.tags
             info = tags.get(PACKING_METADATA_TAG) if tags else None
-            pad = 0 if info is None else int(info.get("padding_length") or 0)
+            pad = None if info is None else info.get("padding_length")
+            if pad is None:  # no packing metadata: no padding
+                pad = 0
+            elif type(pad) is not int:
+                pad = _integer_padding(record, pad)
             if not 0 <= pad <= length:
                 raise ValueError(
                     f"record {record.meta.sample_id}: padding_length {pad} falls outside its "
@@ -597,19 +658,24 @@ class _Gathered:
             pads.append(pad)
         return pads
 
-    def field_rows(self, name: str, *, required: bool, scalar: bool = False
-                   ) -> list[np.ndarray] | None:
+    def field_rows(self, name: str, *, required: bool, scalar: bool = False,
+                   integer: bool = False) -> list[np.ndarray] | None:
         """The rows of a per-token field, checked aligned with the tokens.
 
         Returns None when no payload has the field and it is not required; a
         field present in some payloads but not all is an error. A ``scalar``
         field (positions, a loss mask) holds exactly one value per token; other
-        fields may carry trailing dimensions (``[S, D]``).
+        fields may carry trailing dimensions (``[S, D]``). An ``integer`` field
+        (positions) must hold integers: stacking into the integer output dtype
+        would truncate floats (and ``cu_seqlens`` would follow the truncated
+        zeros) and read bools as 0 and 1.
         """
         if all(type(p) is dict for p in self.payloads):
             rows = [p.get(name) for p in self.payloads]
             if [row.shape if type(row) is np.ndarray else None for row in rows] == self.shapes:
-                return rows  # aligned arrays: nothing more to check
+                if integer:  # aligned arrays: only their dtypes are left to check
+                    self._check_integer(name, rows)
+                return rows
         rows = [p.get(name) if isinstance(p, dict) else None for p in self.payloads]
         missing = [i for i, row in enumerate(rows) if row is None]
         if missing:
@@ -631,7 +697,34 @@ class _Gathered:
                     f"{row.shape}, misaligned with the {self.token_source} of shape "
                     f"{tokens.shape}; it must have shape {expected}, {what}"
                 )
+        if integer:
+            self._check_integer(name, rows)
         return rows
+
+    def _check_integer(self, name: str, rows: list[np.ndarray]) -> None:
+        """Refuse rows of ``name`` that hold anything but integers (one check per row)."""
+        for i, row in enumerate(rows):
+            if row.dtype.kind not in "iu" and row.size:  # an empty list arrives as float64
+                raise ValueError(
+                    f"record {self.records[i].meta.sample_id}: field {name!r} holds "
+                    f"{row.dtype} values ({_values(row)}); {name} must be integers (each "
+                    "token's index in its document, as pack_flat(emit_positions=True) "
+                    "writes them), never truncated here: fix what produced them, or cast "
+                    "them with .astype(np.int64) if they are whole numbers"
+                )
+
+
+def _integer_padding(record: Any, pad: Any) -> int:
+    """A ``padding_length`` that is not a plain int: a numpy integer, or an error."""
+    if isinstance(pad, np.integer) or (isinstance(pad, int) and not isinstance(pad, bool)):
+        return int(pad)
+    raise ValueError(
+        f"record {record.meta.sample_id}: padding_length {pad!r} "
+        f"({type(pad).__name__}) in its packing metadata "
+        f"(meta.tags[{PACKING_METADATA_TAG!r}]) is not an integer; it counts the row's "
+        "trailing pad tokens (pack_flat writes an int), and is never rounded here: fix "
+        "what wrote it"
+    )
 
 
 def _refuse_mixed_payloads(first: Any, other: Any) -> None:

@@ -559,7 +559,8 @@ class SampleBatch:
 
         Raises:
             TypeError: Payloads neither dicts nor arrays, or a mix of both;
-                ``exclude_fields`` given as a string.
+                ``exclude_fields``/``extra_fields`` not a sequence of names (a
+                string, None); ``ignore_index`` not an int.
             ValueError: Any inconsistent request or data (see the docs page
                 for the full list); messages name the record and the field.
 

@@ -21,7 +21,7 @@ import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -212,6 +212,12 @@ class PipelineIterator:
         # position after some item the caller received, never one half-way through an
         # update. Reentrant: the end of the pass checks conservation through stats().
         self._lock = threading.RLock()
+        # Fairness: a thread that wants a state sets _waiting while it holds the
+        # turnstile, and __next__ passes the turnstile before it takes the lock, so
+        # the snapshot waits for at most the item in progress (a lock released and
+        # taken again at once by the iterating thread would otherwise starve it).
+        self._turnstile = threading.Lock()
+        self._waiting = False
         self._warned_unresumable = False
         self._datasets = list(src.datasets)
         self._started = False
@@ -330,12 +336,26 @@ class PipelineIterator:
             lazy = self._pool.remote_payloads and (not local or (lazy and not acc.reads_payload))
         return stages
 
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the iteration still: wait for the item in progress, keep the next one out."""
+        with self._turnstile:
+            self._waiting = True
+            try:
+                with self._lock:
+                    yield
+            finally:
+                self._waiting = False
+
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> PipelineIterator:
         return self
 
     def __next__(self) -> SampleRecord | SampleBatch:
+        if self._waiting:  # another thread waits for a state: let it in first
+            with self._turnstile:
+                pass
         with self._lock:  # uncontended unless another thread takes a state
             lanes = self.lanes
             lane = lanes[self._rr]
@@ -503,7 +523,7 @@ class PipelineIterator:
 
         if not self.checkpointable:
             raise refuse_nondeterministic("state_dict()")
-        with self._lock:
+        with self._exclusive():
             self._settle_all()
             num_lanes = self.pipeline.source.num_lanes
             # A lane still replaying has delivered nothing new: its position is the loaded one.
@@ -693,7 +713,7 @@ class PipelineIterator:
         micro-batches dispatched and sentinels seen or stalled. Counts start
         again at :meth:`load_state_dict`.
         """
-        with self._lock:  # a consistent report while another thread iterates
+        with self._exclusive():  # a consistent report while another thread iterates
             self._settle_all()
             replayed = self.emitter.replayed_by_lane
             report = self._stats.report(replayed)

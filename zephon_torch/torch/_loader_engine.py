@@ -42,13 +42,20 @@ prefix (``shm.new_prefix()`` in the training process) starts with the
 *training* process's pid: they belong to the reader. The reader unlinks
 each segment as soon as it has copied it out; closing the producer sweeps
 whatever is left. An engine that finds its parent gone (a broken pipe)
-sweeps its own segments; if both die by ``SIGKILL``, the next pool or
-loader's ``shm.sweep_stale`` removes them (their owner pid is dead).
+sweeps its own segments. So does an engine that ``SIGTERM`` ends, if its
+parent dies within a few seconds too: a ``SIGTERM`` sent to the whole
+process group (a scheduler stopping the job) kills a reader that has no
+handler of its own by the default action, which unlinks nothing, so the
+batches in transit would stay (see :func:`_reader_gone`). A reader that
+outlives the signal reads the batches in transit, then raises an error
+saying that the engine was stopped by ``SIGTERM``. If both die by
+``SIGKILL``, the next pool or loader's ``shm.sweep_stale`` removes them
+(their owner pid is dead).
 
 Lifetime of the engine process: ``close()`` resumes it if it was stopped
 (``SIGCONT``), asks it to stop (it closes the iterator, which stops and
 joins its pool workers, and exits), waits, then sends ``SIGTERM`` (turned
-into ``SystemExit`` in the engine so that the same clean-up runs), then
+into ``SystemExit(143)`` in the engine so that the same clean-up runs), then
 ``SIGKILL``. ``SIGINT`` is ignored in the engine: Ctrl-C reaches the whole
 process group, and the training process is the one
 that decides to stop. An engine whose parent dies sees end-of-file on its
@@ -64,6 +71,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -84,6 +92,9 @@ _INLINE_LIMIT = 16 * 1024
 # clean up after SIGTERM (which interrupts a long batch), before SIGKILL.
 _STOP_TIMEOUT = 2.0
 _TERM_TIMEOUT = 5.0
+# Seconds an engine ended by SIGTERM waits to learn whether its reader is gone too (a
+# SIGTERM to the whole process group kills a reader without a handler at once).
+_READER_GRACE = 3.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -244,6 +255,7 @@ def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: 
     own = f"{prefix}-{os.getpid()}"
     writer = shm.Writer(directory, own, _INLINE_LIMIT)
     orphaned = False  # nobody will read our segments any more
+    terminated = False  # SIGTERM ended us
     events: Any = None
     try:
         message = _recv(control)
@@ -275,15 +287,42 @@ def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: 
     except _Orphaned:
         orphaned = True
     except SystemExit:
-        pass  # SIGTERM from the loader: clean up below and exit
+        # SIGTERM (from the loader, or to the whole group): clean up below, then exit
+        # with 128 + SIGTERM, so that a reader still alive can say what ended us.
+        terminated = True
+        raise
     except BaseException as exc:
         with contextlib.suppress(OSError):
             data.send_bytes(_error_reply(exc))
     finally:
         if events is not None:
             events.close()  # closes the pipeline iterator: joins its workers, frees its segments
+        if terminated:
+            orphaned = _reader_gone(control, _READER_GRACE)
         if orphaned:
             shm.sweep_prefix(directory, f"{own}-")
+
+
+def _reader_gone(control: Any, timeout: float) -> bool:
+    """After a SIGTERM: whether the training process died too (end-of-file on ``control``).
+
+    A SIGTERM sent to the whole process group (a scheduler stopping the job) also
+    reaches the training process, and one without a handler of its own dies by the
+    default action, which unlinks nothing: the batches in transit are ours to remove.
+    A loader that is closing sends the stop (and sweeps after us), and a reader that
+    outlives the signal (a trainer's handler that stops after the step) still reads
+    the batches we sent, then learns how we ended from our exit code: both keep them.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            if remaining <= 0 or not control.poll(remaining):
+                return False  # alive, and not closing this loader (yet)
+            if control.recv_bytes() == _STOP:
+                return False
+        except (EOFError, OSError):
+            return True
 
 
 # --------------------------------------------------------------------------- training side
@@ -378,18 +417,19 @@ class EngineProcess:
                 except (EOFError, OSError):
                     if self._closing:
                         return
-                    self._process.join(timeout=1.0)
-                    raise RuntimeError(
-                        f"the zephon loader's engine process (pid {self._process.pid}) "
-                        f"{describe_exit(self._process.exitcode)} before the end of the "
-                        "data; see its stderr. A training script that starts work at import "
-                        "time needs `if __name__ == \"__main__\":` (the engine is spawned "
-                        "and re-imports it), and a signal may mean the out-of-memory killer"
-                    ) from None
+                    raise self._died() from None
                 kind = message[0]
                 if kind == "batch":
                     _, ref, state = message
-                    yield ("batch", _decode(self._read(ref)), state)
+                    try:
+                        payload = self._read(ref)
+                    except FileNotFoundError:
+                        # Its segment is gone: the engine removes the batches it sent only
+                        # once we are gone, so someone else deleted it.
+                        if self._closing:
+                            return
+                        raise self._died(missing=ref.name) from None
+                    yield ("batch", _decode(payload), state)
                 elif kind == "end":
                     yield message
                     return
@@ -400,6 +440,42 @@ class EngineProcess:
             # blocked recv from another thread could hand its fd number to a new file.
             with contextlib.suppress(OSError):
                 data.close()
+
+    def _died(self, missing: str | None = None) -> RuntimeError:
+        """The error for an engine that ended before the end of the data.
+
+        Args:
+            missing: The segment of a batch that was not there to read, if that
+                is how the end showed.
+        """
+        process = self._process
+        # A missing segment means the engine still runs (it removes the batches it sent
+        # only once their reader is gone): no long wait for an exit that will not come.
+        process.join(timeout=0.5 if missing is not None else _TERM_TIMEOUT)
+        code = process.exitcode
+        if code is None and missing is not None:
+            return RuntimeError(
+                f"the shared-memory segment {os.path.join(self._directory, missing)} of a "
+                f"batch from the zephon loader's engine process (pid {process.pid}) was "
+                "removed before it was read, while the engine still runs: something deletes "
+                f"files in {self._directory} (systemd-logind's RemoveIPC=yes for a user who "
+                "logs out, a clean-up job). Stop that, or set ZEPHON_SHM_DIR to a directory "
+                "of your own"
+            )
+        if code == 128 + signal.SIGTERM:  # its SIGTERM handler's SystemExit
+            return RuntimeError(
+                f"the zephon loader's engine process (pid {process.pid}) was stopped by "
+                f"SIGTERM (exit code {code}) before the end of the data, after the batches "
+                "it had sent: a SIGTERM sent to the engine, or to the whole process group "
+                "(a scheduler stopping the job, which reaches the engine too)"
+            )
+        return RuntimeError(
+            f"the zephon loader's engine process (pid {process.pid}) "
+            f"{describe_exit(code)} before the end of the data; see its stderr. A training "
+            "script that starts work at import time needs `if __name__ == \"__main__\":` "
+            "(the engine is spawned and re-imports it), and a signal may mean the "
+            "out-of-memory killer"
+        )
 
     def _read(self, ref: shm.BlockRef) -> Any:
         """The batch of a block; its segment is unlinked at once and a credit sent."""

@@ -8,15 +8,21 @@ in any order. Three pools live here:
 * :class:`InlinePool` runs the job at once on the calling thread;
 * :class:`ThreadPool` gives each stage a thread pool of its own;
 * the process pool (``process.py``) runs jobs in worker processes.
+
+Each pool also reports the bytes that dataset readers read in the jobs it ran
+away from the caller's thread (:meth:`Pool.bytes_read`); the iterator adds
+what its own thread read.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from zephon_torch.ops.base import OpContext, Operator
+from zephon_torch.sources.base import thread_bytes_read
 
 __all__ = ["InlinePool", "Pool", "ThreadPool", "completed"]
 
@@ -49,6 +55,13 @@ class Pool:
     def resolve(self, elems: list[Any]) -> list[Any]:
         """Make every payload in ``elems`` a real, local object (identity here)."""
         return elems
+
+    def bytes_read(self) -> int | None:
+        """Bytes dataset readers read (:func:`~zephon_torch.sources.base.count_read`) in
+        the jobs this pool ran on threads or processes of its own, since it started;
+        ``None`` where they cannot be known. Jobs run on the caller's thread (the
+        inline pool's) are the caller's to count: 0 here."""
+        return 0
 
     def close(self) -> None:
         """Release every worker and resource; idempotent."""
@@ -86,9 +99,28 @@ class ThreadPool(Pool):
                                   thread_name_prefix=f"zephon-{ctx.stage_name}")
             for ctx in ctxs
         ]
+        self._bytes = 0
+        self._bytes_lock = threading.Lock()
 
     def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
-        return self._executors[stage_index].submit(self.ops[stage_index].process_many, elems)
+        return self._executors[stage_index].submit(self._counted,
+                                                   self.ops[stage_index].process_many, elems)
+
+    def _counted(self, job: Callable[[list[Any]], list[Any]], elems: list[Any]) -> list[Any]:
+        """Run a job on a pool thread and add what it read to the pool's count."""
+        before = thread_bytes_read()
+        try:
+            return job(elems)
+        finally:
+            read = thread_bytes_read() - before
+            if read:
+                with self._bytes_lock:
+                    self._bytes += read
+
+    def bytes_read(self) -> int:
+        """Bytes read by the jobs that have finished on the pool's threads."""
+        with self._bytes_lock:
+            return self._bytes
 
     def close(self) -> None:
         for executor in self._executors:

@@ -86,6 +86,7 @@ from typing import Any
 from zephon_torch.ops.base import OpContext, Operator, check_elements
 from zephon_torch.runners import shm
 from zephon_torch.runners.base import Pool
+from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.types import SampleBatch, SampleMeta, SampleRecord
 
 __all__ = ["ProcessPool", "WorkerTraceback", "describe_exit"]
@@ -387,7 +388,9 @@ def _run_task(message: tuple, ops: list[Operator], names: list[str], writer: shm
         del fresh, sources  # only the payloads in use keep their mappings alive
         elems = _rebuild(shape, [SampleRecord(m, p) for m, p in zip(metas, payloads)])
         del payloads
+        before = thread_bytes_read()
         out = check_elements(ops[stage].process_many(elems), names[stage])
+        read = thread_bytes_read() - before  # what the readers read for this task
         del elems
         out_shape, records = _flatten(out)
         payloads = [r.payload for r in records]
@@ -399,7 +402,7 @@ def _run_task(message: tuple, ops: list[Operator], names: list[str], writer: shm
             infos = [shm.describe(p) for p in payloads]
             reply = pickle.dumps(
                 ("result", task_id, out_shape, _pack_metas([r.meta for r in records]), ref,
-                 empty, infos if any(i is not None for i in infos) else None),
+                 empty, infos if any(i is not None for i in infos) else None, read),
                 protocol=_PROTOCOL,
             )
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
@@ -496,6 +499,8 @@ class _Supervisor:
         self.broken: BaseException | None = None
         self.stopping = False
         self.startup_deaths = 0
+        #: Bytes the workers' readers read, over the results received.
+        self.bytes_read = 0
         self._rr = 0
         self._wake_r, self._wake_w = os.pipe()
         try:
@@ -616,8 +621,11 @@ class _Supervisor:
                 if worker.in_flight:
                     worker.busy_since = time.monotonic()
         elif kind == "result":
-            _, task_id, shape, packed, ref, empty, infos = message
+            _, task_id, shape, packed, ref, empty, infos, read = message
             metas = _unpack_metas(packed)
+            if read:
+                with self.lock:
+                    self.bytes_read += read
             with self.lock:
                 task = worker.in_flight.pop(task_id, None)
                 worker.busy_since = time.monotonic() if worker.in_flight else None
@@ -923,6 +931,12 @@ class ProcessPool(Pool):
     def directory(self) -> str:
         """Directory of the segments."""
         return self._ledger.directory
+
+    def bytes_read(self) -> int:
+        """Bytes the workers' readers read for the micro-batches whose results came back
+        (a worker that dies takes the count of the task it was running with it)."""
+        with self._supervisor.lock:
+            return self._supervisor.bytes_read
 
     def worker_pids(self) -> list[int]:
         """Pids of the live workers (tests and diagnostics)."""

@@ -555,16 +555,20 @@ def grain_contender(job: str, files: list[str], tokenizer: str, workers: int = 0
 
 
 def zephon_pipeline(job: str, files: list[str], tokenizer: str, *, algorithm: str = "first_fit",
-                    shuffle_batch: bool = True, flush_every: int | None = None) -> Any:
+                    shuffle_batch: bool = True, flush_every: int | None = None,
+                    shuffle_source: bool = False) -> Any:
     """The same job as a zephon_torch pipeline.
 
     ``flush_every`` is the source's ``flush_every_k_chunks``: ``None`` keeps the
     default (a flush sentinel every 8 chunks, which closes the open bins so a
     checkpoint never has to hold them), a large number all but turns it off.
+    ``shuffle_source`` is the source's ``shuffle``: False reads the files in
+    order as the hand-written contenders do; True is the default of a file
+    source (a seeded shard and row-group order per pass).
     """
     import zephon_torch as zt
 
-    source = {"num_lanes": 1, "chunk_size": 512, "shuffle": False,
+    source = {"num_lanes": 1, "chunk_size": 512, "shuffle": shuffle_source,
               "flush_every_k_chunks": flush_every}
     if job == "text":
         tok, _eos = load_tokenizer(tokenizer)
@@ -579,9 +583,13 @@ def zephon_pipeline(job: str, files: list[str], tokenizer: str, *, algorithm: st
 
 
 def zephon_contender(job: str, files: list[str], tokenizer: str, runner: str = "inline",
-                     workers: int = 1, **_: Any) -> Any:
-    """zephon_torch with the given runner and worker count; ``to_training`` makes the tensors."""
-    pipe = zephon_pipeline(job, files, tokenizer)
+                     workers: int = 1, shuffle: bool = False, **_: Any) -> Any:
+    """zephon_torch with the given runner and worker count; ``to_training`` makes the tensors.
+
+    The result also holds the iterator's ``bytes_read`` and ``sample_bytes``
+    (``stats()``), for the read amplification.
+    """
+    pipe = zephon_pipeline(job, files, tokenizer, shuffle_source=shuffle)
 
     def run() -> dict[str, int]:
         tally = Tally()
@@ -592,7 +600,9 @@ def zephon_contender(job: str, files: list[str], tokenizer: str, runner: str = "
                 tally.add(out["input_ids"], out["labels"], out["positions"])
         finally:
             it.close()
-        return tally.result()
+        stats = it.stats()
+        return {**tally.result(), "bytes_read": stats["bytes_read"],
+                "sample_bytes": stats["sample_bytes"]}
 
     return run
 
@@ -606,6 +616,7 @@ CONTENDERS: dict[str, tuple[Any, dict[str, Any]]] = {
     "grain-mp-2": (grain_contender, {"workers": 2}),
     "DataLoader-2": (torch_dataloader, {"workers": 2}),
     "zephon-inline": (zephon_contender, {"runner": "inline"}),
+    "zephon-inline-shuffled": (zephon_contender, {"runner": "inline", "shuffle": True}),
     "zephon-threads-1": (zephon_contender, {"runner": "threads", "workers": 1}),
     "zephon-threads-2": (zephon_contender, {"runner": "threads", "workers": 2}),
     "zephon-process-1": (zephon_contender, {"runner": "process", "workers": 1}),

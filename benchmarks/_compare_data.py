@@ -12,7 +12,12 @@ Everything is generated here, deterministically from a seed, and cached under
   and ``<|endoftext|>`` (id 1) as special tokens;
 * Parquet shards with one ``input_ids`` column (``list<int32>``): every
   document of the JSONL corpus encoded by that tokenizer, EOS appended, one
-  Parquet file per JSONL shard and row groups of 1024 documents.
+  Parquet file per JSONL shard and row groups of 1024 documents;
+* the same token corpus laid out with several row groups per shard (the
+  ``token-rg`` job), as published Parquet corpora are: the documents in the
+  same order, cut into shards of :data:`RG_SHARD_DOCS` documents (4,608) in
+  row groups of 1024, so 5 row groups per shard (the JSONL shards above hold
+  about 1,950 documents, so their token shards have 2 row groups).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ EOS_TOKEN = "<|endoftext|>"
 VOCAB_SIZE = 32_768
 SHARD_BYTES = 4_000_000
 ROW_GROUP = 1024
+RG_SHARD_DOCS = 4608  # documents per Parquet shard of the many-row-group layout
 ENCODE_BATCH = 256  # texts per encode_batch call, for every contender
 
 #: Document length distributions, in words: (log-normal mean, sigma) of ln(words).
@@ -130,6 +136,25 @@ def make_token_shards(corpus: Path, tokenizer: Path) -> Path:
         column = pa.array(docs, type=pa.list_(pa.int32()))
         table = pa.table({"input_ids": column})
         pq.write_table(table, folder / (src.stem + ".parquet"), row_group_size=ROW_GROUP)
+    (folder / ".done").touch()
+    return folder
+
+
+def make_token_shards_rg(corpus: Path, tokenizer: Path) -> Path:
+    """The token shards of ``corpus`` in the many-row-group layout: the documents in
+    order, :data:`RG_SHARD_DOCS` per file, row groups of :data:`ROW_GROUP` documents."""
+    folder = corpus.with_name(corpus.name.replace("text-", f"tokens-rg{RG_SHARD_DOCS}-", 1))
+    if (folder / ".done").exists():
+        return folder
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = parquet_files(make_token_shards(corpus, tokenizer))
+    table = pa.concat_tables([pq.read_table(f) for f in files])
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard, start in enumerate(range(0, table.num_rows, RG_SHARD_DOCS)):
+        pq.write_table(table.slice(start, RG_SHARD_DOCS), folder / f"part-{shard:04d}.parquet",
+                       row_group_size=ROW_GROUP)
     (folder / ".done").touch()
     return folder
 

@@ -1,13 +1,13 @@
-"""What accounting costs: ``bytes_read`` per chunk and ``verify=True`` per item.
+"""What accounting costs: ``sample_bytes`` per chunk and ``verify=True`` per item.
 
 A JSONL corpus (8 plain files of small lines) flows through ``fetch()`` and
 ``decode_text()`` on the inline runner, timed from ``iter()`` to the end of
 the pass, three ways, side by side in one run, alternating, median of the
 rounds:
 
-* ``counts only``: the iterator's read counter without ``bytes_read`` (what
+* ``counts only``: the iterator's read counter without ``sample_bytes`` (what
   it did before byte accounting: one integer add per chunk);
-* ``shipped``: the default, with ``bytes_read`` (one ``Dataset.sample_bytes``
+* ``shipped``: the default, with ``sample_bytes`` (one ``Dataset.sample_bytes``
   call per run of one shard in a chunk, vectorized over its samples);
 * ``verify=True``: the opt-in end-of-pass check, which records every closed
   sample.

@@ -7,6 +7,9 @@ Jobs (``--jobs``, default all):
   shuffle buffer 1024 -> batch 8 -> ``input_ids``/``labels``/``positions``;
 * ``token``: the same from Parquet shards of the same documents, pre-tokenized
   (a ``list<int32>`` column), so without tokenization;
+* ``token-rg``: the token job over the same documents laid out with more row
+  groups per shard (4,608 documents per file in row groups of 1024: 5 per
+  shard, where the token shards of ``token`` have 2);
 * ``overhead``: records/s through 5 identity map stages over 1,000,000 small
   records (a generator chain, torchdata.nodes, Grain, zephon inline);
 * ``padding``: padding % of first-fit and best-fit packers (8 bins) over the
@@ -24,7 +27,12 @@ Memory is measured two ways: the peak RSS of the contender's main process
 workers, sampled every 50 ms; PSS shares pages between the processes that map
 them, so forked workers are not counted twice). All contenders of a job must
 deliver the same non-pad tokens and the same token checksum; a mismatch is
-printed as a ``MISMATCH`` line.
+printed as a ``MISMATCH`` line. The zephon contenders read the files in
+order (the source's ``shuffle=False``, as every other contender does), except
+``zephon-inline-shuffled``, the default source (a seeded shard, block and
+sample order per pass); for each zephon contender the tables also give the
+read amplification, ``stats()["bytes_read"]`` over the files' sizes (1.00:
+every byte read once).
 
 Run (one command; the corpus, tokenizer and shards are generated once under
 ``benchmarks/.data/compare``)::
@@ -58,10 +66,12 @@ sys.path[:0] = [str(HERE), str(REPO)]
 
 import _compare_data as data  # noqa: E402
 
-JOBS = ("text", "token", "padding", "overhead", "memory", "lengths")
+JOBS = ("text", "token", "token-rg", "padding", "overhead", "memory", "lengths")
+THROUGHPUT_JOBS = ("text", "token", "token-rg")
 TEXT_CONTENDERS = ("tokenize_only", "handwritten", "torchdata.nodes-2", "grain", "grain-mp-2",
-                   "DataLoader-2", "zephon-inline", "zephon-threads-1", "zephon-threads-2",
-                   "zephon-process-1", "zephon-process-2")
+                   "DataLoader-2", "zephon-inline", "zephon-inline-shuffled",
+                   "zephon-threads-1", "zephon-threads-2", "zephon-process-1",
+                   "zephon-process-2")
 SCALING_CONTENDERS = ("handwritten", "torchdata.nodes-2", "zephon-inline", "zephon-threads-2",
                       "zephon-process-2")
 MEMORY_CONTENDERS = ("handwritten", "zephon-inline", "zephon-threads-2", "zephon-process-2")
@@ -195,8 +205,10 @@ def _ok(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in runs if "error" not in r]
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]], unit: str = "tokens") -> dict[str, dict]:
-    """Per contender: median/min/max rate, memory medians, padding, counts, errors."""
+def summarize(runs: dict[str, list[dict[str, Any]]], unit: str = "tokens",
+              files_bytes: int = 0) -> dict[str, dict]:
+    """Per contender: median/min/max rate, memory medians, padding, counts, errors, and
+    (for contenders that report ``bytes_read``) the read amplification over ``files_bytes``."""
     out = {}
     for name, rs in runs.items():
         good = _ok(rs)
@@ -211,8 +223,16 @@ def summarize(runs: dict[str, list[dict[str, Any]]], unit: str = "tokens") -> di
             if good[0].get("rows"):
                 row["padding_pct"] = 100.0 * (1 - good[0]["tokens"] / (good[0]["rows"]
                                                                        * data.ROW))
+            read = [r["bytes_read"] for r in good if r.get("bytes_read") is not None]
+            if read and files_bytes:
+                row["read_amplification"] = _med(read) / files_bytes
         out[name] = row
     return out
+
+
+def files_size(files: list[str]) -> int:
+    """Bytes of the files on disk (the denominator of the read amplification)."""
+    return sum(os.path.getsize(f) for f in files)
 
 
 def check_counts(job: str, runs: dict[str, list[dict[str, Any]]], unit: str) -> list[str]:
@@ -244,16 +264,17 @@ def throughput_table(title: str, summary: dict[str, dict], base: str, unit: str 
     """A markdown table: rate, ratio to ``base``, memory, padding."""
     ref = summary.get(base, {}).get("rate")
     lines = [title, "",
-             f"| contender | {unit}/s, median (min-max) | vs {base} | peak PSS MB, all processes "
-             "| peak RSS MB, main process | padding % |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"| contender | {unit}/s, median (min-max) | vs {base} | read amplification "
+             "| peak PSS MB, all processes | peak RSS MB, main process | padding % |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in summary.items():
         if "rate" not in row:
-            lines.append(f"| {name} | failed: {'; '.join(row['errors'])[:200]} | | | | |")
+            lines.append(f"| {name} | failed: {'; '.join(row['errors'])[:200]} | | | | | |")
             continue
         ratio = f"{row['rate'] / ref:.2f}x" if ref else "-"
         pad = f"{row['padding_pct']:.2f}" if "padding_pct" in row else "-"
-        lines.append(f"| {name} | {_fmt_rate(row)} | {ratio} | {row['pss_mb']:.0f} | "
+        amp = f"{row['read_amplification']:.2f}" if "read_amplification" in row else "-"
+        lines.append(f"| {name} | {_fmt_rate(row)} | {ratio} | {amp} | {row['pss_mb']:.0f} | "
                      f"{row['rss_mb']:.0f} | {pad} |")
     return lines
 
@@ -292,7 +313,7 @@ def target_lines(job: str, summary: dict[str, dict]) -> list[str]:
                      f"(target >= 0.95: {_verdict(r1, 0.95)})")
         lines.append(f"- best zephon / tokenize_only: {r2:.2f} (target >= 0.90: "
                      f"{_verdict(r2, 0.90)})")
-    if job == "token":
+    if job in ("token", "token-rg"):
         _, grate = _best(summary, "grain")
         for label, other, target in (("handwritten", rate("handwritten"), 0.80),
                                      ("torchdata.nodes-2", rate("torchdata.nodes-2"), 1.0),
@@ -300,6 +321,16 @@ def target_lines(job: str, summary: dict[str, dict]) -> list[str]:
             r = zrate / other
             lines.append(f"- best zephon ({zname}) / {label}: {r:.2f} (target >= {target:g}: "
                          f"{_verdict(r, target)})")
+    inline, shuffled = summary.get("zephon-inline", {}), summary.get("zephon-inline-shuffled", {})
+    if "rate" in inline and "rate" in shuffled:
+        r = shuffled["rate"] / inline["rate"]
+        lines.append(f"- zephon-inline-shuffled (default shuffle=True) / zephon-inline "
+                     f"(shuffle=False): {r:.2f} (target >= 0.90: {_verdict(r, 0.90)})")
+    for name in ("zephon-inline", "zephon-inline-shuffled"):
+        amp = summary.get(name, {}).get("read_amplification")
+        if amp is not None and job != "text":
+            lines.append(f"- read amplification of {name}: {amp:.2f} (target <= 1.10: "
+                         f"{_verdict(amp, 1.10, higher=False)})")
     hw = summary.get("handwritten", {})
     if "pss_mb" in hw:
         zrow = summary[zname]
@@ -363,15 +394,28 @@ class Runner:
         return ([str(p) for p in data.jsonl_files(text)],
                 [str(p) for p in data.parquet_files(tokens)])
 
+    def rg_corpus(self, mb: float) -> list[str]:
+        """The token shards of the ``mb`` corpus with many row groups per shard."""
+        text = data.make_corpus(mb)
+        return [str(p) for p in
+                data.parquet_files(data.make_token_shards_rg(text, Path(self.tokenizer)))]
+
     def throughput_job(self, job: str) -> None:
         jsonl, parquet = self.corpus(self.args.mb)
-        names = [n for n in self.args.contenders if not (job == "token" and n == "tokenize_only")]
-        files = jsonl if job == "text" else parquet
-        runs = self.rounds(job, names, {"files": files, "tokenizer": self.tokenizer},
-                           self.args.rounds)
-        summary = summarize(runs)
+        names = [n for n in self.args.contenders if not (job != "text" and n == "tokenize_only")]
+        files = (jsonl if job == "text" else parquet if job == "token"
+                 else self.rg_corpus(self.args.mb))
+        runs = self.rounds("text" if job == "text" else "token", names,
+                           {"files": files, "tokenizer": self.tokenizer}, self.args.rounds,
+                           key=job)
+        summary = summarize(runs, files_bytes=files_size(files))
         self.doc["jobs"][job]["summary"] = summary
         what = "JSONL text" if job == "text" else "Parquet tokens"
+        if job == "token-rg":
+            import pyarrow.parquet as pq
+
+            groups = sum(pq.ParquetFile(f).metadata.num_row_groups for f in files)
+            what += f", {groups} row groups"
         count = next((r["count"] for r in summary.values() if "count" in r), 0)
         title = (f"### {job} job: {self.args.mb:g} MB corpus ({what}, {len(files)} shard(s)), "
                  f"{count:,} non-pad tokens, median (min-max) of {self.args.rounds} rounds")
@@ -589,7 +633,7 @@ def main() -> None:
 
     runner = Runner(args)
     for job in jobs:
-        if job in ("text", "token"):
+        if job in THROUGHPUT_JOBS:
             runner.throughput_job(job)
         else:
             getattr(runner, f"{job}_job")()

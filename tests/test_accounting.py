@@ -38,28 +38,28 @@ def test_stats_report_every_lane_and_add_up(corpus_dir: Path, tokenizer: Any) ->
     assert sorted(stats["lanes"]) == [0, 1, 2, 3]
     for counts in stats["lanes"].values():
         assert set(counts) == {"read", "delivered", "tombstoned", "replayed",
-                               "replay_dropped", "bytes_read"}
+                               "replay_dropped", "sample_bytes"}
         assert counts["read"] > 0 and counts["replayed"] == counts["replay_dropped"] == 0
         assert set(counts["tombstoned"]) <= {"empty", "drop_last"}
     total = sum(len(p.read_text().splitlines()) for p in (corpus_dir / "web").glob("*.jsonl"))
     assert stats["read"] == total + 30  # the plain files' lines and the gzipped file's 30
     # Every 25th document of the plain files is empty.
     assert sum(c["tombstoned"].get("empty", 0) for c in stats["lanes"].values()) == 6
-    for key in ("read", "delivered", "tombstoned", "bytes_read"):
+    for key in ("read", "delivered", "tombstoned", "sample_bytes"):
         per_lane = [c[key] if key != "tombstoned" else sum(c[key].values())
                     for c in stats["lanes"].values()]
         assert stats[key] == sum(per_lane)
 
 
-def test_bytes_read_is_the_size_of_the_files_over_a_whole_pass(corpus_dir: Path,
-                                                               tmp_path: Path) -> None:
+def test_sample_bytes_is_the_size_of_the_files_over_a_whole_pass(corpus_dir: Path,
+                                                                 tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
     web = sorted((corpus_dir / "web").iterdir())
     jsonl = Pipeline.from_jsonl([str(p) for p in web], num_lanes=3, chunk_size=7).fetch()
     it = jsonl.iter(runner="inline")
     list(it)
-    assert it.stats()["bytes_read"] == sum(p.stat().st_size for p in web)  # .gz: compressed
+    assert it.stats()["sample_bytes"] == sum(p.stat().st_size for p in web)  # .gz: compressed
 
     tokens = sorted((corpus_dir / "tokens").iterdir())
     it = Pipeline.from_parquet([str(p) for p in tokens], num_lanes=2, chunk_size=9).fetch().iter(
@@ -71,17 +71,17 @@ def test_bytes_read_is_the_size_of_the_files_over_a_whole_pass(corpus_dir: Path,
         compressed += sum(meta.row_group(g).column(c).total_compressed_size
                           for g in range(meta.num_row_groups)
                           for c in range(meta.row_group(g).num_columns))
-    assert it.stats()["bytes_read"] == compressed
+    assert it.stats()["sample_bytes"] == compressed
 
     for i, text in enumerate(["one", "two two", ""]):
         (tmp_path / f"{i}.txt").write_text(text)
     it = Pipeline.from_text_files(str(tmp_path / "*.txt"), num_lanes=2).fetch().iter(
         runner="inline")
     list(it)
-    assert it.stats()["bytes_read"] == 10
+    assert it.stats()["sample_bytes"] == 10
     it = Pipeline.from_items(["in memory"]).iter(runner="inline")
     list(it)
-    assert it.stats()["bytes_read"] == 0
+    assert it.stats()["sample_bytes"] == 0
 
 
 def test_a_resumed_pass_accounts_for_replayed_samples(corpus_dir: Path, tokenizer: Any) -> None:

@@ -378,8 +378,29 @@ def test_parquet_reads_only_the_row_groups_it_needs_and_keeps_the_last_one(tmp_p
     assert ds.calls == [(0, 1)]
     ds.read(0, [7, 4])  # same row group: served from the cache
     assert ds.calls == [(0, 1)]
-    ds.read(0, [11, 1, 10])
-    assert ds.calls == [(0, 1), (0, 0), (0, 2)]
+    ds.read(0, [11, 1, 10])  # in order of first use: the group read last is kept
+    assert ds.calls == [(0, 1), (0, 2), (0, 0)]
+    ds.read(0, [3, 0])  # the next call goes on where the last one ended: no decode
+    assert ds.calls == [(0, 1), (0, 2), (0, 0)]
+
+
+@pytest.mark.parametrize("value_type", [pa.int32(), pa.int64(), pa.uint16(), pa.float32()])
+def test_scattered_rows_of_a_token_column_equal_the_rows_read_one_by_one(tmp_path, value_type):
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 1000, size=int(n)).tolist() for n in rng.integers(0, 40, size=90)]
+    table = pa.table({"input_ids": pa.array(docs, type=pa.list_(value_type))})
+    ds = zd.parquet(write_parquet(tmp_path / "t.parquet", table, row_group_size=30))
+    ids = rng.permutation(90)
+    ids = np.concatenate([ids, ids[:7]])  # a sample asked for twice in one call
+    rows = ds.read(0, ids)  # scattered in each row group: gathered without an Arrow take
+    for i, row in zip(ids.tolist(), rows):
+        alone = ds.read(0, [i])[0]["input_ids"]
+        assert row["input_ids"].dtype == alone.dtype == value_type.to_pandas_dtype()
+        assert row["input_ids"].tolist() == alone.tolist() == docs[i]
+        assert row["input_ids"].flags.writeable and row["input_ids"].flags.owndata
+    rows[0]["input_ids"][...] = 0  # each row its own memory
+    assert all(r["input_ids"].tolist() == docs[i] for i, r in zip(ids[1:].tolist(), rows[1:])
+               if i != ids[0])
 
 
 def test_parquet_columns_select_and_missing_column_is_an_error(tmp_path):

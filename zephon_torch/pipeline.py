@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from zephon_torch.ops.base import Operator
 from zephon_torch.sources.base import Dataset
+from zephon_torch.sources.schedule import block_layout
 
 if TYPE_CHECKING:
     from zephon_torch.runners.iterator import PipelineIterator
@@ -460,7 +461,7 @@ class Pipeline:
     def fingerprint(self) -> dict[str, Any]:
         """The configuration that defines the output, as JSON-able builtins."""
         src = self._source
-        return {
+        fingerprint = {
             "datasets": [d.describe() for d in src.datasets],
             "weights": None if src.weights is None else list(src.weights),
             "num_lanes": src.num_lanes,
@@ -472,6 +473,11 @@ class Pipeline:
             "exhausted": src.exhausted,
             "ops": [op.config() for op in self._ops],
         }
+        if src.shuffle:  # a shuffled pass follows the shards' read blocks
+            layout = block_layout(src.datasets)
+            if layout:  # only shards of several blocks: the others keep their order
+                fingerprint["blocks"] = layout
+        return fingerprint
 
     def fingerprint_digest(self) -> str:
         """A short hash of :meth:`fingerprint`."""

@@ -32,6 +32,7 @@ from zephon_torch.ops.fused import parts_of
 from zephon_torch.ops.placement import placement_options
 from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
 from zephon_torch.runners.engine import Engine, Stage
+from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.sources.emitter import SourceEmitter
 from zephon_torch.sources.schedule import Chunk, WorkSchedule
 from zephon_torch.types import SampleBatch, SampleRecord
@@ -234,6 +235,10 @@ class PipelineIterator:
         src = self.pipeline.source
         self.progress = ProgressTracker(self.lanes, self.flush_every)
         self._stats = (_VerifyingStats if self.verify else _Stats)(self.lanes)
+        # Bytes read from storage since this run started: on this thread (source and
+        # local stages, counted around each pump) and by the pools' own workers.
+        self._driver_bytes = 0
+        self._pool_bytes_base = self._pool_bytes_now()
         self._reported = False
         self._queues: dict[int, deque[Any]] = {lane: deque() for lane in self.lanes}
         # Records handed to the caller whose accounting is still owed: settled
@@ -437,11 +442,14 @@ class PipelineIterator:
             self.progress.lanes[lane].sentinel_delivered(queue.popleft().meta.chunk_id)
 
     def _pump(self) -> bool:
+        before = thread_bytes_read()
         try:
             alive = self.engine.pump()
         except BaseException:
             self.close()
             raise
+        finally:
+            self._driver_bytes += thread_bytes_read() - before
         outputs = self.engine.outputs
         queues = self._queues
         while outputs:
@@ -719,23 +727,48 @@ class PipelineIterator:
         ``tombstoned`` (``{reason: count}``), ``replayed`` (samples re-read
         from the replayed window after a resume), ``replay_dropped`` (of
         those, the ones the caller had received before the checkpoint,
-        dropped again) and ``bytes_read`` (storage the samples occupy; see
-        ``Dataset.sample_bytes``). At the end of a pass, per lane,
-        ``read == delivered + sum(tombstoned) + replay_dropped``
+        dropped again) and ``sample_bytes`` (the storage the samples read
+        occupy, see ``Dataset.sample_bytes``: a whole pass adds up to about
+        the files' sizes, however often they were read). At the end of a pass,
+        per lane, ``read == delivered + sum(tombstoned) + replay_dropped``
         (:func:`zephon_torch.checks.assert_conserved` checks it). The top
-        level holds the totals, ``bad_samples`` (the first few samples
-        skipped by ``on_error="skip"``: reason, location, detail), and per
-        stage the micro-batches dispatched and sentinels seen or stalled.
+        level holds the totals, ``bytes_read`` (what the readers really read
+        from storage for this iterator, in all its processes: each decoded
+        Parquet row group's compressed columns, per decode; the byte ranges
+        read from JSONL files; text files' sizes; so ``bytes_read /
+        sample_bytes`` is the read amplification; ``None`` when a stage runs
+        on Ray, whose workers are not counted; with ``runner="process"``, a
+        worker that dies takes the count of the micro-batch it was running
+        with it), ``bad_samples`` (the first few samples skipped by
+        ``on_error="skip"``: reason, location, detail), and per stage the
+        micro-batches dispatched and sentinels seen or stalled. Counts start
+        again at :meth:`load_state_dict`.
         """
         with self._exclusive():  # a consistent report while another thread iterates
             self._settle_all()
             replayed = self.emitter.replayed_by_lane
             report = self._stats.report(replayed)
+            report["bytes_read"] = self._bytes_read()
             report["bad_samples"] = [self._describe_bad(entry) for entry in self._stats.bad]
             report["stages"] = {stage.name: dict(stage.counters) for stage in self.stages}
             report["replayed_samples"] = self.emitter.replayed
             report["replayed_by_lane"] = dict(replayed)
         return report
+
+    def _pool_bytes_now(self) -> list[int | None]:
+        return [pool.bytes_read() if pool is not None else 0
+                for pool in (self._pool, self._ray_pool)]
+
+    def _bytes_read(self) -> int | None:
+        """Bytes read from storage since the run started (None: not knowable here)."""
+        if self._remote:  # Ray workers read where nothing counts them
+            return None
+        total = self._driver_bytes
+        for now, then in zip(self._pool_bytes_now(), self._pool_bytes_base):
+            if now is None or then is None:
+                return None
+            total += now - then
+        return total
 
     def _describe_bad(self, entry: tuple[str, tuple[int, int, int], str | None]) -> dict[str, Any]:
         reason, sample_id, detail = entry
@@ -815,14 +848,15 @@ class _Stats:
         self._read = dict.fromkeys(lanes, 0)
         self._delivered = dict.fromkeys(lanes, 0)
         self._dropped = dict.fromkeys(lanes, 0)
-        self._bytes = dict.fromkeys(lanes, 0)
+        self._sample_bytes = dict.fromkeys(lanes, 0)
         self._tombstoned: dict[int, dict[str, int]] = {lane: {} for lane in lanes}
         self.bad: list[tuple[str, tuple[int, int, int], str | None]] = []
         self.bad_counts: dict[str, int] = {}
         self.bad_total = 0
 
     def read(self, chunk: Chunk, datasets: Sequence[Any]) -> None:
-        """A chunk emitted: its samples and the bytes they occupy (one call per shard run)."""
+        """A chunk emitted: its samples and the storage they occupy (one call per shard
+        run)."""
         lane = chunk.lane_id
         self._read[lane] += len(chunk)
         dataset_ids, shard_ids, local_ids = chunk.dataset_ids, chunk.shard_ids, chunk.local_ids
@@ -838,7 +872,7 @@ class _Stats:
         for a, b in zip(starts, ends):
             dataset = datasets[int(dataset_ids[a])]
             total += dataset.sample_bytes(int(shard_ids[a]), local_ids[a:b])
-        self._bytes[lane] += total
+        self._sample_bytes[lane] += total
 
     def dropped(self, record: SampleRecord) -> None:
         """A replayed record the replay filter dropped (delivered before the checkpoint)."""
@@ -900,7 +934,7 @@ class _Stats:
                 "tombstoned": dict(self._tombstoned[lane]),
                 "replayed": int(replayed.get(lane, 0)),
                 "replay_dropped": self._dropped[lane],
-                "bytes_read": self._bytes[lane],
+                "sample_bytes": self._sample_bytes[lane],
             }
             for lane in self.lanes
         }
@@ -911,7 +945,7 @@ class _Stats:
             "tombstoned": sum(sum(v["tombstoned"].values()) for v in lanes.values()),
             "replayed": sum(v["replayed"] for v in lanes.values()),
             "replay_dropped": sum(v["replay_dropped"] for v in lanes.values()),
-            "bytes_read": sum(v["bytes_read"] for v in lanes.values()),
+            "sample_bytes": sum(v["sample_bytes"] for v in lanes.values()),
         }
 
 

@@ -82,6 +82,7 @@ from zephon_torch.block import Block
 from zephon_torch.ops.base import OpContext, Operator, check_elements
 from zephon_torch.runners import shm
 from zephon_torch.runners.base import Pool, run_unit
+from zephon_torch.sources.base import thread_bytes_read
 
 __all__ = ["ProcessPool", "WorkerTraceback", "describe_exit"]
 
@@ -283,13 +284,15 @@ def _run_task(message: tuple, ops: list[Operator], names: list[str], writer: shm
     ref = None
     try:
         unit = shm.load(in_ref, directory, copy=False)[0]
+        before = thread_bytes_read()
         out = run_unit(ops[stage], unit)
+        read = thread_bytes_read() - before  # what the readers read for this task
         del unit  # its mapping goes once nothing of it is in use
         if type(out) is not Block:
             out = check_elements(out, names[stage])
         try:
             ref = writer.dump([out])
-            reply = pickle.dumps(("result", task_id, ref), protocol=_PROTOCOL)
+            reply = pickle.dumps(("result", task_id, ref, read), protocol=_PROTOCOL)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             writer.discard(ref)
             ref = None
@@ -383,6 +386,8 @@ class _Supervisor:
         self.broken: BaseException | None = None
         self.stopping = False
         self.startup_deaths = 0
+        #: Bytes the workers' readers read, over the results received.
+        self.bytes_read = 0
         self._rr = 0
         self._wake_r, self._wake_w = os.pipe()
         try:
@@ -503,7 +508,10 @@ class _Supervisor:
                 if worker.in_flight:
                     worker.busy_since = time.monotonic()
         elif kind == "result":
-            _, task_id, ref = message
+            _, task_id, ref, read = message
+            if read:
+                with self.lock:
+                    self.bytes_read += read
             with self.lock:
                 task = worker.in_flight.pop(task_id, None)
                 worker.busy_since = time.monotonic() if worker.in_flight else None
@@ -814,6 +822,12 @@ class ProcessPool(Pool):
     def directory(self) -> str:
         """Directory of the segments."""
         return self._directory
+
+    def bytes_read(self) -> int:
+        """Bytes the workers' readers read for the micro-batches whose results came back
+        (a worker that dies takes the count of the task it was running with it)."""
+        with self._supervisor.lock:
+            return self._supervisor.bytes_read
 
     def worker_pids(self) -> list[int]:
         """Pids of the live workers (tests and diagnostics)."""

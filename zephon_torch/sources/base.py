@@ -21,6 +21,19 @@ Raw payloads are ``bytes`` (a JSONL line, a text file) or ``dict`` (a
 Parquet row, an item); ``decode_text`` turns them into dict payloads using
 the dataset's ``raw_format`` (``"json"``, ``"text"`` or ``"dict"``).
 
+**Read blocks.** :meth:`Dataset.blocks` cuts a shard into runs of
+consecutive samples that are read together (a Parquet row group, about a
+megabyte of JSONL lines). A shuffled pass visits the blocks of a shard in a
+seeded order and the samples of a block in a seeded order, so each block is
+read about once per pass (``schedule.py``).
+
+**Bytes read.** Readers report what they really read from storage with
+:func:`count_read` (a Parquet row group's compressed column chunks per decode,
+the byte ranges of JSONL reads, a text file's size); the counter is per
+thread, so whoever runs a read on a thread can tell what it cost with
+:func:`thread_bytes_read` before and after (the runners do, for
+``stats()["bytes_read"]``).
+
 **Fingerprint.** :meth:`Dataset.describe` is this dataset's part of the
 pipeline's checkpoint fingerprint: its options, its shards' names and sample
 counts (which decide the work schedule) and, under ``"content"``, a compact
@@ -32,16 +45,36 @@ another cluster; nothing in it depends on where or when a file was written.
 from __future__ import annotations
 
 import hashlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
 __all__ = ["POINTER", "ContentEntry", "Dataset", "Pointer", "Shard", "content_table",
-           "is_pointer", "name_tag", "parse_content_table"]
+           "count_read", "is_pointer", "name_tag", "parse_content_table", "thread_bytes_read"]
+
+# Bytes read from storage, per thread: a read and its caller share a thread, so the
+# difference of two readings brackets exactly the reads made in between, whatever
+# other threads (or other iterators on this thread, between the readings) do.
+_METER = threading.local()
+
+
+def count_read(nbytes: int) -> None:
+    """Add ``nbytes`` read from storage to this thread's counter.
+
+    Readers call it where they really read (a custom :class:`Dataset` should
+    too, for ``stats()["bytes_read"]``): once per decoded Parquet row group,
+    per byte range read from a file, not per sample served from a cache.
+    """
+    _METER.total = getattr(_METER, "total", 0) + int(nbytes)
+
+
+def thread_bytes_read() -> int:
+    """Bytes that readers have reported with :func:`count_read` on this thread so far."""
+    return getattr(_METER, "total", 0)
 
 
 class Pointer:
@@ -108,6 +141,9 @@ class Dataset(ABC):
 
     kind: str = ""
     raw_format: Literal["json", "text", "dict"] = "dict"
+    #: Samples per read block of the default :meth:`blocks` (datasets that read
+    #: nothing from storage: large blocks mix best and cost nothing).
+    block_samples: int = 65_536
     component_id: int = 0
     name: str = ""
     on_error: Literal["raise", "skip"] = "raise"
@@ -130,6 +166,25 @@ class Dataset(ABC):
         step = 1024
         for start in range(0, shard.num_samples, step):
             yield from self.read(shard_id, range(start, min(start + step, shard.num_samples)))
+
+    def blocks(self, shard_id: int) -> np.ndarray:
+        """Start offsets of the shard's read blocks: runs of samples read together.
+
+        A shuffled pass visits a shard's blocks in a seeded order and the
+        samples of each block in a seeded order, so a block is read about once
+        per pass. Override it where reads have a natural unit (file datasets
+        do: Parquet row groups, ranges of about a megabyte of JSONL lines).
+        The answer must depend only on the shard's content and layout, never
+        on the process or the time: the order of a shuffled pass, and so a
+        resume, is a function of it.
+
+        Returns:
+            An int64 array, ascending, starting at 0, every entry below the
+            shard's ``num_samples`` (empty for an empty shard). The default:
+            blocks of :attr:`block_samples` samples.
+        """
+        n = self.shards()[shard_id].num_samples
+        return np.arange(0, n, max(1, int(self.block_samples)), dtype=np.int64)
 
     def locate(self, shard_id: int, local_id: int) -> str:
         """Where a sample lives, for error messages (``"a.jsonl line 17"``)."""

@@ -47,7 +47,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from zephon_torch.sources.base import Dataset, Shard
+from zephon_torch.sources.base import Dataset, Shard, count_read
 from zephon_torch.sources.index_cache import (
     IndexInfo,
     default_cache_dir,
@@ -62,6 +62,7 @@ from zephon_torch.sources.readers import (
     DataChangedError,
     FileStat,
     HandlePool,
+    KeyedLocks,
     LineScanner,
     LRUCache,
     RandomAccessFile,
@@ -294,6 +295,23 @@ def _signature(*parts: str) -> str:
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
 
 
+class _BlockBytes:
+    """A read block of a JSONL file in memory, read by ``(offset, size)`` like the file."""
+
+    __slots__ = ("block", "data", "lo", "path")
+
+    def __init__(self, path: str, block: int, lo: int, data: bytes) -> None:
+        self.path = path
+        self.block = block
+        self.lo = lo
+        self.data = data
+
+    def read_at(self, offset: int, size: int) -> bytes:
+        """``size`` bytes from file offset ``offset`` (inside the block)."""
+        start = offset - self.lo
+        return self.data[start:start + size]
+
+
 class JsonlDataset(_FileDataset):
     """JSON Lines files: one sample per non-blank line.
 
@@ -335,6 +353,11 @@ class JsonlDataset(_FileDataset):
     raw_format = "json"
     #: Memory-mapped indexes kept open per process.
     loaded_index_cache_size: ClassVar[int] = 64
+    #: Bytes per read block of a plain file: a block ends before the first line
+    #: that starts at or after a multiple of it (see :meth:`blocks`).
+    block_bytes: ClassVar[int] = 1 << 20
+    #: Shards whose last read block is kept, per process.
+    block_cache_size: ClassVar[int] = 4
 
     def __init__(self, paths: str | Sequence[str], *, component_id: int = 0,
                  name: str | None = None, passes: int | None = None,
@@ -353,6 +376,9 @@ class JsonlDataset(_FileDataset):
         self._pinned: dict[int, np.ndarray] = {}
         self._loaded = LRUCache(self.loaded_index_cache_size)
         self._handles = HandlePool(8)
+        self._block_starts: dict[int, np.ndarray] = {}
+        self._last_block = LRUCache(self.block_cache_size)
+        self._reading = KeyedLocks()
         listing: dict[str, list[tuple[str, IndexInfo]]] | None = None
         for shard_id, (path, shard_name) in enumerate(zip(files, _shard_names(files))):
             compression = _compression_of(path)
@@ -478,21 +504,71 @@ class JsonlDataset(_FileDataset):
                              "order with stream(); its shard has access 'stream'")
         if not ids.size:
             return []
-        index = self._index(shard_id)
-        unique, inverse = np.unique(ids, return_inverse=True)
-        handle = self._handles.get(shard_id, lambda: self._open(shard_id))
+        offsets = self._index(shard_id)[:, 0]
+        starts = self.blocks(shard_id)
+        line_end = self._infos[shard_id].line_end
+        in_block = np.searchsorted(starts, ids, side="right") - 1
+        used, first_use = np.unique(in_block, return_index=True)
+        out: list[Any] = [None] * ids.size
         try:
-            lines = read_lines_at(handle, index[:, 0], file.stat.size, unique,
-                                  self._infos[shard_id].line_end)
+            # Blocks in order of first use: the one read last, kept, is where the next
+            # call goes on (a shuffled pass visits a block's lines in consecutive calls).
+            for block in used[np.argsort(first_use)].tolist():
+                where = np.flatnonzero(in_block == block)
+                unique, inverse = np.unique(ids[where], return_inverse=True)
+                lines = read_lines_at(self._block(shard_id, block, offsets, starts), offsets,
+                                      file.stat.size, unique, line_end)
+                for position, k in zip(where.tolist(), inverse.reshape(-1).tolist()):
+                    out[position] = lines[k]
         except DataChangedError as exc:
             self._forget_index(shard_id)
             raise DataChangedError(
                 f"jsonl: {exc}: the file changed since it was indexed (rewritten, perhaps "
                 "keeping its size and modification time); its cached index is removed, "
                 "restart the pipeline to index it again") from None
-        if unique.size == ids.size and np.array_equal(unique, ids):
-            return lines
-        return [lines[k] for k in inverse.reshape(-1).tolist()]
+        return out
+
+    def _block(self, shard_id: int, block: int, offsets: np.ndarray,
+               starts: np.ndarray) -> _BlockBytes:
+        """The bytes of one read block, read once and kept until the shard's next block
+        is read: from the file's first byte for block 0, else from the line ending
+        before the block's first line (``read_lines_at`` checks it)."""
+        cached = self._last_block.get(shard_id)
+        if cached is not None and cached.block == block:
+            return cached
+        with self._reading(shard_id):  # threads wanting this block wait for one read
+            cached = self._last_block.get(shard_id)
+            if cached is not None and cached.block == block:
+                return cached
+            file = self._files[shard_id]
+            lo = 0 if block == 0 else int(offsets[starts[block]]) - 1
+            hi = (int(offsets[starts[block + 1]]) if block + 1 < len(starts)
+                  else file.stat.size)
+            handle = self._handles.get(shard_id, lambda: self._open(shard_id))
+            data = handle.read_at(lo, hi - lo)
+            if len(data) < hi - lo:
+                raise DataChangedError(f"{file.path!r} is shorter than its line index says")
+            view = _BlockBytes(file.path, block, lo, data)
+            self._last_block.put(shard_id, view)
+        return view
+
+    def blocks(self, shard_id: int) -> np.ndarray:
+        """Read blocks of about :attr:`block_bytes` bytes of lines (one for a compressed
+        file, which is read front to back, or a file of at most that size)."""
+        n = self._shards[shard_id].num_samples
+        file = self._files[shard_id]
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        if file.compression is not None or file.stat.size <= self.block_bytes:
+            return np.zeros(1, dtype=np.int64)
+        starts = self._block_starts.get(shard_id)
+        if starts is None:
+            offsets = self._index(shard_id)[:, 0]
+            marks = np.arange(0, file.stat.size, self.block_bytes, dtype=np.int64)
+            starts = np.unique(np.searchsorted(offsets, marks, side="left")).astype(np.int64)
+            starts = starts[starts < n]
+            self._block_starts[shard_id] = starts
+        return starts
 
     def stream(self, shard_id: int) -> Iterator[bytes]:
         """The shard's lines in file order (the only way to read a compressed shard).
@@ -644,14 +720,50 @@ def _column_values(column: Any) -> list[Any]:
     return column.to_pylist()
 
 
-def _table_part(table: Any, rows: np.ndarray) -> Any:
-    """The rows of a decoded row group: a slice when they are a contiguous run."""
+def _table_columns(table: Any, rows: np.ndarray) -> dict[str, Any] | None:
+    """Rows of a decoded row group as columns (see :meth:`ParquetDataset.read_columns`).
+
+    A list column of numbers becomes a :class:`~zephon_torch.block.Ragged`
+    column: each row's run of values copied from the row group's buffers
+    into one array of its own (no Arrow ``take``); other columns become
+    lists. None for a column that cannot be held so (nulls in a token
+    column, fixed-size lists).
+    """
     import pyarrow as pa
 
+    from zephon_torch.block import Ragged
+
     n = rows.size
-    if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows[1:] - rows[:-1] == 1).all()):
-        return table.slice(int(rows[0]), n)  # a contiguous run: no copy
-    return table.take(pa.array(rows))
+    contiguous = bool(n) and int(rows[-1]) - int(rows[0]) == n - 1 and bool(
+        (rows[1:] - rows[:-1] == 1).all())
+    out: dict[str, Any] = {}
+    for name, column in zip(table.column_names, table.columns):
+        kind = column.type
+        if pa.types.is_fixed_size_list(kind):
+            return None
+        if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _is_numeric(
+                kind.value_type):
+            arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+            if arr.null_count or arr.values.null_count:
+                return None
+            offsets = arr.offsets.to_numpy().astype(np.int64)
+            flat = arr.values.to_numpy(zero_copy_only=False)
+            starts, ends = offsets[rows], offsets[rows + 1]
+            lengths = ends - starts
+            new_offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(lengths, out=new_offsets[1:])
+            if contiguous:
+                values = flat[int(starts[0]):int(ends[-1])].copy()
+            else:
+                values = np.empty(int(new_offsets[-1]), dtype=flat.dtype)
+                for at, a, b in zip(new_offsets[:-1].tolist(), starts.tolist(), ends.tolist()):
+                    values[at:at + b - a] = flat[a:b]
+            out[name] = Ragged(values, new_offsets)
+        elif contiguous:
+            out[name] = column.slice(int(rows[0]), n).to_pylist()
+        else:
+            out[name] = column.take(pa.array(rows)).to_pylist()
+    return out
 
 
 def _table_rows(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
@@ -662,6 +774,9 @@ def _table_rows(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
     if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows[1:] - rows[:-1] == 1).all()):
         part = table.slice(int(rows[0]), n)  # a contiguous run: no copy
     else:
+        gathered = _gather_token_rows(table, rows)
+        if gathered is not None:
+            return gathered
         part = table.take(pa.array(rows))
     names = part.column_names
     if not names:
@@ -671,6 +786,35 @@ def _table_rows(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
         return [{name: value} for value in _column_values(part.column(0))]
     columns = [_column_values(part.column(i)) for i in range(part.num_columns)]
     return [dict(zip(names, values)) for values in zip(*columns)]
+
+
+def _gather_token_rows(table: Any, rows: np.ndarray) -> list[dict[str, Any]] | None:
+    """Scattered rows of a table of one list-of-numbers column without nulls (token
+    ids: what a shuffled pass reads), each row a copy of its values; ``None`` for any
+    other table.
+
+    The same rows, dtype and values as ``take`` then :func:`_column_values`, at a
+    fraction of the cost (no intermediate table); each row owns its memory.
+    """
+    import pyarrow as pa
+
+    if table.num_columns != 1:
+        return None
+    column = table.column(0)
+    kind = column.type
+    if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind))
+            and (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type))):
+        return None
+    arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    values = arr.values
+    if arr.null_count or values.null_count:
+        return None
+    offsets = arr.offsets.to_numpy()  # positions in ``values`` (a slice's too)
+    flat = values.to_numpy(zero_copy_only=True)
+    name = table.column_names[0]
+    starts = offsets[rows].tolist()
+    ends = offsets[rows + 1].tolist()
+    return [{name: flat[a:b].copy()} for a, b in zip(starts, ends)]
 
 
 def _group_bytes(group: Any, columns: Sequence[str] | None) -> int:
@@ -739,6 +883,7 @@ class ParquetDataset(_FileDataset):
         self._signatures: list[tuple[int, str]] = []
         self._handles = HandlePool(8)
         self._groups = LRUCache(self.row_group_cache_size)
+        self._decoding = KeyedLocks()
         for shard_id, (path, shard_name) in enumerate(zip(files, _shard_names(files))):
             counts, sizes = self._row_group_sizes(pq, path)
             self._group_bytes.append(np.asarray(sizes, dtype=np.int64))
@@ -779,7 +924,9 @@ class ParquetDataset(_FileDataset):
     def _read_row_group(self, shard_id: int, row_group: int) -> Any:
         """Decode one row group of a shard (a ``pyarrow.Table`` of ``columns``)."""
         handle = self._handles.get(shard_id, lambda: self._open(shard_id))
-        return handle.file.read_row_group(row_group, columns=self.columns)
+        table = handle.file.read_row_group(row_group, columns=self.columns)
+        count_read(int(self._group_bytes[shard_id][row_group]))
+        return table
 
     def _open(self, shard_id: int) -> _ParquetHandle:
         """Open a shard, checking that its row groups are those counted."""
@@ -800,8 +947,12 @@ class ParquetDataset(_FileDataset):
         cached = self._groups.get(shard_id)
         if cached is not None and cached[0] == row_group:
             return cached[1]
-        table = self._read_row_group(shard_id, row_group)
-        self._groups.put(shard_id, (row_group, table))
+        with self._decoding(shard_id):  # threads wanting this group wait for one decode
+            cached = self._groups.get(shard_id)
+            if cached is not None and cached[0] == row_group:
+                return cached[1]
+            table = self._read_row_group(shard_id, row_group)
+            self._groups.put(shard_id, (row_group, table))
         return table
 
     def read(self, shard_id: int, local_ids: Sequence[int]) -> list[dict[str, Any]]:
@@ -815,7 +966,11 @@ class ParquetDataset(_FileDataset):
         if first == int(groups[-1]) and bool((groups == first).all()):  # one row group
             return _table_rows(self._row_group(shard_id, first), ids - bounds[first])
         out: list[Any] = [None] * ids.size
-        for group in np.unique(groups).tolist():  # ascending: each group read once
+        used, first_use = np.unique(groups, return_index=True)
+        # Each group read once, in order of first use: the one read last, kept, is
+        # where the next call goes on (a shuffled pass visits a row group's rows in
+        # consecutive calls).
+        for group in used[np.argsort(first_use)].tolist():
             where = np.flatnonzero(groups == group)
             rows = _table_rows(self._row_group(shard_id, group), ids[where] - bounds[group])
             for position, row in zip(where.tolist(), rows):
@@ -836,37 +991,30 @@ class ParquetDataset(_FileDataset):
         from zephon_torch.block import Ragged
 
         ids = self._check_ids(shard_id, local_ids)
+        if not ids.size:
+            return None
         bounds = self._bounds[shard_id]
         groups = np.searchsorted(bounds, ids, side="right") - 1
-        parts = []
         cut = np.flatnonzero(groups[1:] != groups[:-1]) + 1
+        runs: list[dict[str, Any]] = []
         for start, stop in zip([0, *cut.tolist()], [*cut.tolist(), ids.size]):
             group = int(groups[start])
             table = self._row_group(shard_id, group)
-            parts.append(_table_part(table, ids[start:stop] - bounds[group]))
-        if not parts:
-            return None
-        import pyarrow as pa
-
-        table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-        columns: dict[str, Any] = {}
-        for name, column in zip(table.column_names, table.columns):
-            kind = column.type
-            if pa.types.is_list(kind) or pa.types.is_large_list(kind):
-                if not _is_numeric(kind.value_type):
-                    columns[name] = column.to_pylist()
-                    continue
-                arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-                if arr.null_count or arr.values.null_count:
-                    return None
-                offsets = arr.offsets.to_numpy().astype(np.int64)
-                values = arr.values.to_numpy(zero_copy_only=False)
-                values = values[offsets[0]:offsets[-1]].copy()
-                columns[name] = Ragged(values, offsets - offsets[0])
-            elif pa.types.is_fixed_size_list(kind):
+            run = _table_columns(table, ids[start:stop] - bounds[group])
+            if run is None:
                 return None
+            runs.append(run)
+        if len(runs) == 1:
+            return runs[0]
+        columns: dict[str, Any] = {}
+        for name in runs[0]:
+            parts = [run[name] for run in runs]
+            if isinstance(parts[0], Ragged):
+                if any(p.values.dtype != parts[0].values.dtype for p in parts):
+                    return None
+                columns[name] = Ragged.concat(parts)
             else:
-                columns[name] = column.to_pylist()
+                columns[name] = [v for p in parts for v in p]
         return columns
 
     def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:
@@ -882,6 +1030,12 @@ class ParquetDataset(_FileDataset):
             rows = ids[groups == group] - bounds[group]
             total += _even_share(int(sizes[group]), int(bounds[group + 1] - bounds[group]), rows)
         return total
+
+    def blocks(self, shard_id: int) -> np.ndarray:
+        """The row groups (those holding rows): a decoded group is the unit of reading."""
+        bounds = self._bounds[shard_id]
+        starts = np.unique(bounds[:-1])
+        return starts[starts < bounds[-1]]
 
     def locate(self, shard_id: int, local_id: int) -> str:
         """``"x.parquet row 12"`` (the 0-based row in the file)."""
@@ -946,6 +1100,7 @@ class TextFilesDataset(_FileDataset):
         path = self._paths[shard_id]
         with open_binary(path) as fh:
             data = fh.read()
+        count_read(len(data))
         if len(data) != self._sizes[shard_id]:
             raise DataChangedError(f"text_files: {path!r} changed since the pipeline was built "
                                    f"({self._sizes[shard_id]} bytes then, {len(data)} now); "

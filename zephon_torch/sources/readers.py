@@ -35,6 +35,10 @@ an index that no longer fits its file is an error, not pieces of lines.
 alone) and is split there; scanning, streaming and reading by pointer agree
 on this (a ``\r`` inside a line of a normal file stays part of the line).
 
+**Bytes read.** :meth:`RandomAccessFile.read_at` and :func:`iter_raw_blocks`
+report every byte they read with
+:func:`~zephon_torch.sources.base.count_read` (``stats()["bytes_read"]``).
+
 **Compressed streams.** ``.gz`` and ``.zst`` cannot be entered in the
 middle; :func:`iter_decompressed` yields decompressed blocks and, unlike the
 standard library's readers, notices a stream that stops before its end
@@ -63,12 +67,15 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from zephon_torch.sources.base import count_read
+
 __all__ = [
     "BLOCK_SIZE",
     "EDGE_BYTES",
     "DataChangedError",
     "FileStat",
     "HandlePool",
+    "KeyedLocks",
     "LRUCache",
     "LineScanner",
     "RandomAccessFile",
@@ -454,7 +461,9 @@ class RandomAccessFile:
             parts.append(data)
             offset += len(data)
             size -= len(data)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        count_read(len(data))
+        return data
 
     def close(self) -> None:
         """Release the file."""
@@ -564,6 +573,33 @@ class LRUCache:
         self.__init__(state["capacity"])
 
 
+class KeyedLocks:
+    """One lock per key, made on demand; pickles empty (a lock belongs to its process).
+
+    A reader holds the lock of a shard while it decodes something of it that it
+    then caches, so that threads needing the same row group wait for one decode
+    instead of each making its own.
+    """
+
+    def __init__(self) -> None:
+        self._locks: dict[Any, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def __call__(self, key: Any) -> threading.Lock:
+        """The lock of ``key``."""
+        with self._guard:
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.Lock()
+            return lock
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+
+
 # ---------------------------------------------------------------- streams
 
 
@@ -577,6 +613,7 @@ def iter_raw_blocks(file: BinaryIO, block_size: int = BLOCK_SIZE) -> Iterator[by
         block = file.read(block_size)
         if not block:
             return
+        count_read(len(block))
         yield block
 
 

@@ -6,8 +6,24 @@ rank computes the same one and keeps only its own chunks.
 
 **One dataset.** Its *stream* is pass 0, then pass 1, ...; inside a pass the
 shards come in a seeded order and, for random-access shards, the samples of
-a shard in a seeded order too (a memory-free Feistel permutation, reshuffled
-per pass). Position ``k`` of the stream is pass ``k // size``.
+a shard in a seeded *block* order (reshuffled per pass): the shard's read
+blocks (:meth:`Dataset.blocks <zephon_torch.sources.base.Dataset.blocks>`:
+Parquet row groups, about a megabyte of JSONL lines) in a seeded order, and
+the samples of each block in a seeded order, so that a block is read about
+once per pass instead of once per micro-batch that touches it (the shuffle
+buffers downstream mix across blocks). Shard of 3 blocks ``A = 0-3``,
+``B = 4-5``, ``C = 6-9``, block order ``C A B``::
+
+    shard positions   0 1 2 3 | 4 5 6 7 | 8 9
+    block             C C C C | A A A A | B B
+    local ids         8 6 9 7 | 1 3 0 2 | 5 4      (each block permuted within)
+
+Every order is a pure function of ``(seed, dataset, pass, shard, block)``
+and of the blocks' layout, computed on demand with the memory-free
+permutation of ``permute.py``: no per-sample array of a shard is ever made.
+A shard of one block is ordered as it was before blocks existed. Sequential
+(``"stream"``) shards keep file order. Position ``k`` of the stream is pass
+``k // size``.
 
 **Several datasets (a mixture).** Global position ``n`` takes its next
 pointer from the component with the largest deficit ``(n + 1) * w_c -
@@ -31,15 +47,18 @@ the first dataset runs out. The last chunk may be short.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from zephon_torch.sources.base import Dataset, Shard
 from zephon_torch.sources.permute import permute, seed_key
 
-__all__ = ["Chunk", "ScheduleState", "WorkSchedule"]
+__all__ = ["Chunk", "ScheduleState", "WorkSchedule", "block_layout", "checked_blocks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +106,17 @@ class _DatasetStream:
 
     def __init__(self, dataset_id: int, dataset: Dataset, seed: int, shuffle: bool) -> None:
         self.dataset_id = dataset_id
+        self.dataset = dataset
         self.shards: list[Shard] = dataset.shards()
         self.sizes = np.array([s.num_samples for s in self.shards], dtype=np.int64)
         self.size = int(self.sizes.sum())
         self.seed = seed
         self.shuffle = shuffle
         self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # Per shard, its block starts; per (shard, pass), its block order. Bounded:
+        # a pass moves through shards one after another.
+        self._starts: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._block_orders: OrderedDict[tuple[int, int], _BlockOrder] = OrderedDict()
 
     def _pass_layout(self, pass_index: int) -> tuple[np.ndarray, np.ndarray]:
         """Shard order of a pass and the cumulative sizes in that order."""
@@ -135,8 +159,124 @@ class _DatasetStream:
                 continue
             sel = shard == shard_id
             key = seed_key(self.seed, self.dataset_id, pass_index, shard_id)
-            out[sel] = permute(within[sel], info.num_samples, key)
+            starts = self.block_starts(shard_id)
+            if len(starts) == 1:  # one block: the whole shard permuted, as ever
+                out[sel] = permute(within[sel], info.num_samples, key)
+            else:
+                out[sel] = self._block_order(shard_id, pass_index, key, starts).map(within[sel])
         return out
+
+    def block_starts(self, shard_id: int) -> np.ndarray:
+        """The shard's block starts, checked (cached for a few shards)."""
+        starts = self._starts.get(shard_id)
+        if starts is None:
+            starts = checked_blocks(self.dataset, shard_id, self.shards[shard_id].num_samples)
+            self._starts[shard_id] = starts
+            if len(self._starts) > _CACHED_SHARDS:
+                self._starts.popitem(last=False)
+        return starts
+
+    def _block_order(self, shard_id: int, pass_index: int, key: int,
+                     starts: np.ndarray) -> _BlockOrder:
+        cache_key = (shard_id, pass_index)
+        order = self._block_orders.get(cache_key)
+        if order is None:
+            order = _BlockOrder(starts, self.shards[shard_id].num_samples, key)
+            self._block_orders[cache_key] = order
+            cached = self._block_orders
+            while len(cached) > 1 and (len(cached) > _CACHED_SHARDS or sum(
+                    len(o.starts) for o in cached.values()) > _CACHED_BLOCKS):
+                cached.popitem(last=False)
+        return order
+
+
+#: Shards whose block starts (and block orders, per pass) a stream keeps ...
+_CACHED_SHARDS = 16
+#: ... and at most this many blocks of block orders in all (32 bytes a block),
+#: beyond the one in use.
+_CACHED_BLOCKS = 1 << 20
+#: Folded into a shard's key for the order of its blocks (the samples of block
+#: ``b`` use the shard's key folded with ``b``).
+_BLOCK_ORDER = 0xB10C
+
+
+class _BlockOrder:
+    """A shard's position -> local id map for one pass: blocks, then samples in a block.
+
+    Holds three arrays of one entry per block (never per sample): the block
+    permutation, the blocks' sizes and their cumulative ends in the permuted
+    order.
+    """
+
+    __slots__ = ("ends", "key", "order", "sizes", "starts")
+
+    def __init__(self, starts: np.ndarray, num_samples: int, key: int) -> None:
+        count = len(starts)
+        self.starts = starts
+        self.sizes = np.diff(np.append(starts, num_samples))
+        self.order = permute(np.arange(count, dtype=np.int64), count,
+                             seed_key(key, _BLOCK_ORDER))
+        self.ends = np.cumsum(self.sizes[self.order])
+        self.key = key
+
+    def map(self, within: np.ndarray) -> np.ndarray:
+        """Local ids of shard positions ``within`` (in ``[0, num_samples)``)."""
+        slot = np.searchsorted(self.ends, within, side="right")
+        block = self.order[slot]
+        offset = within - (self.ends[slot] - self.sizes[block])
+        out = np.empty_like(within)
+        # Group the positions by block (a chunk usually spans one or two).
+        by_block = np.argsort(block, kind="stable")
+        sorted_blocks = block[by_block]
+        cuts = np.flatnonzero(sorted_blocks[1:] != sorted_blocks[:-1]) + 1
+        for group in np.split(by_block, cuts):
+            if not group.size:
+                continue
+            b = int(block[group[0]])
+            size = int(self.sizes[b])
+            out[group] = int(self.starts[b]) + permute(offset[group], size,
+                                                        seed_key(self.key, b))
+        return out
+
+
+def checked_blocks(dataset: Dataset, shard_id: int, num_samples: int) -> np.ndarray:
+    """``dataset.blocks(shard_id)`` as int64, or a ValueError saying what is wrong with it."""
+    raw = dataset.blocks(shard_id)
+    starts = np.asarray(raw)
+    if num_samples == 0 and starts.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if (starts.ndim != 1 or not np.issubdtype(starts.dtype, np.integer) or not starts.size
+            or int(starts[0]) != 0 or int(starts[-1]) >= num_samples
+            or bool((starts[1:] <= starts[:-1]).any())):
+        shown = np.array2string(starts, threshold=8) if isinstance(raw, np.ndarray) else repr(raw)
+        raise ValueError(
+            f"dataset {dataset.name!r} (kind {dataset.kind!r}): blocks({shard_id}) returned "
+            f"{shown[:200]}; it must be a 1-D integer array of block starts, ascending, "
+            f"beginning at 0, each below the shard's {num_samples} samples (fix the "
+            "dataset's blocks() method)"
+        )
+    return starts.astype(np.int64, copy=False)
+
+
+def block_layout(datasets: Sequence[Dataset]) -> list[list[Any]]:
+    """What of the datasets' block layout decides a shuffled order, for fingerprints.
+
+    One ``[dataset, shard, blocks, digest]`` entry per shard of more than one
+    block that is shuffled (shards of one block, and sequential ones, are
+    ordered as they always were, so they add nothing): a resume over files
+    whose row groups or line layout changed is refused instead of landing on
+    other samples.
+    """
+    out: list[list[Any]] = []
+    for d, dataset in enumerate(datasets):
+        for shard in dataset.shards():
+            if shard.access == "stream" or shard.num_samples == 0:
+                continue
+            starts = checked_blocks(dataset, shard.shard_id, shard.num_samples)
+            if len(starts) > 1:
+                digest = hashlib.sha256(starts.astype("<i8").tobytes()).hexdigest()[:16]
+                out.append([d, shard.shard_id, len(starts), digest])
+    return out
 
 
 class WorkSchedule:

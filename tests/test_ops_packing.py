@@ -589,7 +589,7 @@ def test_pack_sequences_wrap_and_truncate():
 def test_traits_names_and_config():
     flat = PackFlat(2049, pad_token_id=3)
     assert flat.name == "pack_flat" and PackSequences.name == "pack_sequences"
-    assert flat.traits() == OpTraits(preserves_cursor_order=False, fan_out=True)
+    assert flat.traits() == OpTraits(preserves_cursor_order=False, fan_out=True, inline=True)
     config = flat.config()
     assert {k: v for k, v in config.items() if k != "op"} == {
         "max_length": 2049, "num_bins": 8, "algorithm": "first_fit", "tokens_field": "auto",

@@ -636,14 +636,23 @@ class PackingAccumulator(Accumulator):
             sel = segs == s
             src[sel] = segments[s].tokens.offsets[src_rows[sel]]  # type: ignore[union-attr]
         src += starts
-        out = np.full(num_rows * limit, self.pad_token_id, dtype=np.int32)
-        # One slice copy per piece: documents are runs of tokens, so this moves
-        # memory in long strides instead of gathering token by token.
-        for s in np.unique(segs).tolist():
-            sel = segs == s
-            values = segments[s].tokens.values  # type: ignore[union-attr]
-            for a, d, n in zip(src[sel].tolist(), dest[sel].tolist(), lengths[sel].tolist()):
-                out[d:d + n] = values[a:a + n]
+        # The rows laid end to end are the pieces in placement order, each row's
+        # followed by its padding: one concatenate copies them all (a C-level copy
+        # of each document's run, no per-token index).
+        padding = np.full(limit, self.pad_token_id, dtype=np.int32)
+        pad_after = (np.append(firsts[1:], len(lengths)) - 1).tolist()  # each row's last piece
+        pads = (limit - used).tolist()
+        parts: list[np.ndarray] = []
+        values_of = {s: segments[s].tokens.values  # type: ignore[union-attr]
+                     for s in np.unique(segs).tolist()}
+        row = 0
+        for p, (s, a, n) in enumerate(zip(segs.tolist(), src.tolist(), lengths.tolist())):
+            parts.append(values_of[s][a:a + n])
+            if p == pad_after[row]:
+                if pads[row]:
+                    parts.append(padding[:pads[row]])
+                row += 1
+        out = np.concatenate(parts, dtype=np.int32, casting="same_kind")
         fields: dict[str, Any] = {"input_ids": out.reshape(num_rows, limit)}
         if self.emit_positions:
             # Each token's distance from the start of its segment (a piece, or the

@@ -754,10 +754,11 @@ def _table_columns(table: Any, rows: np.ndarray) -> dict[str, Any] | None:
             np.cumsum(lengths, out=new_offsets[1:])
             if contiguous:
                 values = flat[int(starts[0]):int(ends[-1])].copy()
+            elif n:  # one C-level copy of every row's run, laid end to end
+                values = np.concatenate([flat[a:b] for a, b in
+                                         zip(starts.tolist(), ends.tolist())])
             else:
-                values = np.empty(int(new_offsets[-1]), dtype=flat.dtype)
-                for at, a, b in zip(new_offsets[:-1].tolist(), starts.tolist(), ends.tolist()):
-                    values[at:at + b - a] = flat[a:b]
+                values = flat[:0].copy()
             out[name] = Ragged(values, new_offsets)
         elif contiguous:
             out[name] = column.slice(int(rows[0]), n).to_pylist()

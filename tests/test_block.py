@@ -272,3 +272,19 @@ def test_a_batch_of_packed_rows_is_read_from_its_columns(monkeypatch: pytest.Mon
     out = BlockBatch(block).to_training(return_labels=True, return_cu_seqlens=True)
     assert out["labels"][1].tolist() == [9, 10, 11, 12, 13, -100, -100]
     assert out["labels"][2].tolist() == [-100] * 7
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(record_lists(), min_size=1, max_size=4), st.data(), st.booleans())
+def test_gather_takes_rows_of_several_blocks_in_the_order_asked(
+        pools: list[list[SampleRecord]], data: st.DataObject, as_columns: bool) -> None:
+    pools = [p for p in pools if p] or [[SampleRecord(SampleMeta((0, 0, 0), 2, 0, 0), None)]]
+    blocks = [Block.from_records(p, lane=2) for p in pools]
+    if as_columns:  # packed rows: every payload an array column of one layout
+        blocks = [b.with_fields({"input_ids": np.arange(len(b) * 3, dtype=np.int32)
+                                 .reshape(len(b), 3)}) for b in blocks]
+    picks = data.draw(st.lists(st.tuples(st.integers(0, len(blocks) - 1), st.integers(0, 99)),
+                               min_size=1, max_size=20))
+    picks = [(b, r % len(blocks[b])) for b, r in picks]
+    got = Block.gather(blocks, [b for b, _ in picks], [r for _, r in picks]).records()
+    assert got == [blocks[b].records()[r] for b, r in picks]

@@ -321,6 +321,27 @@ class Contributors:
                             self.last[a:b])
 
     @staticmethod
+    def gather(tables: Mapping[int, Contributors],
+               picks: Sequence[tuple[int, int]]) -> Contributors:
+        """Row ``r`` of table ``b`` for each ``(b, r)`` of ``picks``, in that order."""
+        starts = [int(tables[b].offsets[r]) for b, r in picks]
+        stops = [int(tables[b].offsets[r + 1]) for b, r in picks]
+        lengths = np.array([b - a for a, b in zip(starts, stops)], dtype=np.int64)
+        offsets = np.zeros(len(picks) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = [tables[b].ids[a:e] for (b, _), a, e in zip(picks, starts, stops)]
+        last = [tables[b].last[a:e] for (b, _), a, e in zip(picks, starts, stops)]
+        lineage = None
+        if any(t.lineage is not None for t in tables.values()):
+            lineage = []
+            for (b, _), a, e in zip(picks, starts, stops):
+                table = tables[b]
+                lineage.extend(table.lineage[a:e] if table.lineage is not None
+                               else [()] * (e - a))
+        return Contributors(offsets, np.concatenate(ids) if ids else _EMPTY_IDS, lineage,
+                            np.concatenate(last) if last else np.zeros(0, dtype=bool))
+
+    @staticmethod
     def concat(parts: Sequence[Contributors]) -> Contributors:
         """The rows of every part, in order."""
         if len(parts) == 1:
@@ -692,12 +713,20 @@ class Block:
     @staticmethod
     def gather(pool: Sequence[Block], owners: Sequence[int], rows: Sequence[int]) -> Block:
         """Rows of several blocks of one lane as one block: row ``rows[i]`` of block
-        ``pool[owners[i]]``, in that order (one ``take`` per block involved)."""
+        ``pool[owners[i]]``, in that order.
+
+        Array columns are assembled in place (one copy of each row); where the
+        blocks differ in layout, one ``take`` per block, then the order.
+        """
         owner = np.asarray(owners, dtype=np.int64)
         row = np.asarray(rows, dtype=np.int64)
         groups = np.unique(owner)
         if len(groups) == 1:
             return pool[int(groups[0])].take(row)
+        blocks = [pool[b] for b in groups.tolist()]
+        direct = _gather_arrays(blocks, groups, owner, row)
+        if direct is not None:
+            return direct
         order = np.argsort(owner, kind="stable")
         parts = [pool[b].take(row[order[owner[order] == b]]) for b in groups.tolist()]
         joined = Block.concat(parts)
@@ -823,6 +852,65 @@ class Block:
 
 _STATE = ("payloads", "fields", "lineage", "component", "counts", "token_counts", "tomb",
           "reason", "detail", "contributors", "packing", "extra")
+
+
+def _gather_arrays(blocks: list[Block], groups: np.ndarray, owner: np.ndarray,
+                   row: np.ndarray) -> Block | None:
+    """:meth:`Block.gather` for blocks whose payload columns are all arrays of one
+    layout (packed rows): each column assembled once, in place. None otherwise."""
+    first = blocks[0]
+    if first.fields is None or any(
+            not isinstance(c, np.ndarray) for c in first.fields.values()):
+        return None
+    keys = list(first.fields)
+    for block in blocks[1:]:
+        if (block.fields is None or list(block.fields) != keys or block.lane != first.lane
+                or any(not isinstance(block.fields[k], np.ndarray)
+                       or block.fields[k].dtype != first.fields[k].dtype
+                       or block.fields[k].shape[1:] != first.fields[k].shape[1:]
+                       for k in keys)):
+            return None
+    n = len(row)
+    where = {b: np.flatnonzero(owner == b) for b in groups.tolist()}
+    by_group = dict(zip(groups.tolist(), blocks))
+
+    def assemble(get: Any) -> np.ndarray:
+        sample = get(first)
+        out = np.empty((n, *sample.shape[1:]), dtype=sample.dtype)
+        for b, positions in where.items():
+            out[positions] = get(by_group[b])[row[positions]]
+        return out
+
+    fields = {k: assemble(lambda block, k=k: block.fields[k]) for k in keys}
+    ids = assemble(lambda block: block.ids)
+    picks = list(zip(owner.tolist(), row.tolist()))
+
+    def pick(name: str, default: Any) -> list[Any] | None:
+        if all(getattr(block, name) is None for block in blocks):
+            return None
+        return [(getattr(by_group[b], name) or [default] * len(by_group[b]))[r]
+                for b, r in picks]
+
+    if all(block.counts is None and block.component is not None for block in blocks):
+        component, counts = assemble(lambda block: block.component), None
+    else:
+        lists = {b: block._counts_list() for b, block in by_group.items()}
+        component, counts = None, [lists[b][r] for b, r in picks]
+    tomb = None
+    if any(block.tomb is not None for block in blocks):
+        tomb = np.array([bool(by_group[b].tomb[r]) if by_group[b].tomb is not None else False
+                         for b, r in picks], dtype=bool)
+    contributors = None
+    if any(block.contributors is not None for block in blocks):
+        tables = {b: block.contributors if block.contributors is not None
+                  else Contributors.empty(len(block)) for b, block in by_group.items()}
+        contributors = Contributors.gather(tables, picks)
+    return Block(first.lane, ids, fields=fields, lineage=pick("lineage", ()),
+                 component=component, counts=counts,
+                 token_counts=pick("token_counts", None), tomb=tomb,
+                 reason=pick("reason", None), detail=pick("detail", None),
+                 contributors=contributors, packing=pick("packing", None),
+                 extra=pick("extra", None))
 
 
 def _restore(lane: int, ids: np.ndarray, state: tuple[Any, ...]) -> Block:

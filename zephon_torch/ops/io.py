@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from zephon_torch.block import ID_DATASET, ID_LOCAL, ID_SHARD, Block
+from zephon_torch.block import ID_DATASET, ID_LOCAL, ID_SHARD, Block, Ragged
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.sources.base import POINTER, Dataset, is_pointer
@@ -175,9 +175,8 @@ class Fetch(Operator):
                 return block
         ids = block.ids
         keys = ids[:, ID_DATASET] * (1 << 32) + ids[:, ID_SHARD]
-        if bool(pointer.all()) and keys[0] == keys[-1] and bool((keys == keys[0]).all()):
-            columns = self._read_columns(int(ids[0, ID_DATASET]), int(ids[0, ID_SHARD]),
-                                         ids[:, ID_LOCAL])
+        if bool(pointer.all()):
+            columns = self._columns_of_runs(ids, keys)
             if columns is not None:
                 return block.with_fields(columns)
         out = list(payloads)
@@ -205,6 +204,32 @@ class Fetch(Operator):
                 per_row[row] = detail
             result = result.with_tombstones(mask, "read_error", per_row)
         return result
+
+    def _columns_of_runs(self, ids: np.ndarray, keys: np.ndarray) -> dict[str, Any] | None:
+        """The block's rows as columns, one ``read_columns`` per run of one shard (None if
+        a run's dataset does not read columns, or the runs' columns differ in layout)."""
+        cut = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+        runs = []
+        for start, stop in zip([0, *cut.tolist()], [*cut.tolist(), len(keys)]):
+            columns = self._read_columns(int(ids[start, ID_DATASET]),
+                                         int(ids[start, ID_SHARD]), ids[start:stop, ID_LOCAL])
+            if columns is None or (runs and list(columns) != list(runs[0])):
+                return None
+            runs.append(columns)
+        if len(runs) == 1:
+            return runs[0]
+        out: dict[str, Any] = {}
+        for name in runs[0]:
+            parts = [run[name] for run in runs]
+            if all(isinstance(p, Ragged) for p in parts):
+                if len({p.values.dtype for p in parts}) != 1:
+                    return None
+                out[name] = Ragged.concat(parts)
+            elif all(isinstance(p, list) for p in parts):
+                out[name] = [v for p in parts for v in p]
+            else:
+                return None
+        return out
 
     def _read_columns(self, dataset_id: int, shard_id: int,
                       local_ids: np.ndarray) -> dict[str, Any] | None:

@@ -612,7 +612,8 @@ class PackingAccumulator(Accumulator):
                        used: np.ndarray, num_rows: int, firsts: np.ndarray) -> dict[str, Any]:
         """The rows' payloads: ``fields=`` of flat rows, or ``payloads=`` of segment lists."""
         plans: list[list[tuple[Any, int, int]]] | None = None
-        if not self.flat or any(seg.tokens is None for seg in segments):
+        involved = np.unique(segs).tolist()
+        if not self.flat or any(segments[s].tokens is None for s in involved):
             plans = [[] for _ in range(num_rows)]
             for p, (s, row) in enumerate(zip(segs.tolist(), src_rows.tolist())):
                 plans[int(row_of[p])].append((segments[s].block.payload(row), int(starts[p]),

@@ -278,18 +278,24 @@ def _uniform_cu_seqlens(positions: np.ndarray, lengths: np.ndarray
     rows, width = positions.shape
     flat = np.flatnonzero(positions == 0)
     row_idx, col_idx = np.divmod(flat, max(width, 1))
+    bounds = np.empty(len(flat) + 1, dtype=np.int32)
+    bounds[:-1] = flat
+    bounds[-1] = rows * width
+    return _per_row(rows, row_idx, col_idx, bounds[1:] - bounds[:-1], lengths)
+
+
+def _per_row(rows: int, row_idx: np.ndarray, col_idx: np.ndarray, seg_lengths: np.ndarray,
+             lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise boundaries (each row's segment starts, then its length, padded with it)
+    and each row's longest segment, from the starts' rows and columns."""
     counts = np.bincount(row_idx, minlength=rows)
     cu = np.empty((rows, int(counts.max(initial=0)) + 1), dtype=np.int32)
     cu[:] = lengths[:, None]
     first = counts.cumsum()
     first -= counts
-    cu[row_idx, np.arange(len(flat)) - first[row_idx]] = col_idx
-    bounds = np.empty(len(flat) + 1, dtype=np.int64)
-    bounds[:-1] = flat
-    bounds[-1] = rows * width
-    seg_lengths = (bounds[1:] - bounds[:-1]).astype(np.int32)
+    cu[row_idx, np.arange(len(row_idx)) - first[row_idx]] = col_idx
     max_len = np.zeros(rows, dtype=np.int32)
-    if len(flat):
+    if len(row_idx):
         has = counts > 0
         max_len[has] = np.maximum.reduceat(seg_lengths, first[has])
     return cu, max_len
@@ -946,14 +952,4 @@ def _cu_seqlens(
     seg_lengths = bounds[1:] - bounds[:-1]
     if flatten:
         return bounds, int(seg_lengths.max(initial=0))
-    counts = np.bincount(row_idx, minlength=rows)
-    cu = np.empty((rows, int(counts.max(initial=0)) + 1), dtype=np.int32)
-    cu[:] = lengths[:, None]
-    first = counts.cumsum()
-    first -= counts
-    cu[row_idx, np.arange(len(flat)) - first[row_idx]] = col_idx
-    max_len = np.zeros(rows, dtype=np.int32)
-    if len(flat):
-        has = counts > 0
-        max_len[has] = np.maximum.reduceat(seg_lengths, first[has])
-    return cu, max_len
+    return _per_row(rows, row_idx, col_idx, seg_lengths, lengths)

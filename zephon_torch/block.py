@@ -82,9 +82,11 @@ __all__ = [
     "BlockBatch",
     "Contributors",
     "Ragged",
+    "RowView",
     "Sentinel",
     "blocks_from_elements",
     "blocks_from_records",
+    "concat_columns",
 ]
 
 #: Columns of :attr:`Block.ids`.
@@ -169,15 +171,7 @@ class Ragged:
 
     def take(self, index: np.ndarray) -> Ragged:
         """The rows ``index`` (in that order), gathered into a new column."""
-        index = np.asarray(index, dtype=np.int64)
-        starts = self.offsets[index]
-        lengths = self.offsets[index + 1] - starts
-        offsets = np.zeros(len(index) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        total = int(offsets[-1])
-        if total == 0:
-            return Ragged(self.values[:0].copy(), offsets)
-        gather = np.arange(total, dtype=np.int64) + np.repeat(starts - offsets[:-1], lengths)
+        offsets, gather = _gather_runs(self.offsets, index)
         return Ragged(self.values[gather], offsets)
 
     def compact(self) -> Ragged:
@@ -214,6 +208,33 @@ class Ragged:
     def __repr__(self) -> str:
         count = int(self.offsets[-1] - self.offsets[0])
         return f"Ragged({len(self)} rows, {self.values.dtype}, {count} values)"
+
+
+def _gather_runs(offsets: np.ndarray, index: Any) -> tuple[np.ndarray, np.ndarray]:
+    """For rows ``index`` of a table with row ``offsets``: the new offsets, and the
+    positions of the rows' entries, in order (a gather index)."""
+    index = np.asarray(index, dtype=np.int64)
+    starts = offsets[index]
+    lengths = offsets[index + 1] - starts
+    new = np.zeros(len(index) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new[1:])
+    gather = np.arange(int(new[-1]), dtype=np.int64) + np.repeat(starts - new[:-1], lengths)
+    return new, gather
+
+
+def concat_columns(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Column dicts of consecutive runs of rows as one (None if their layouts differ)."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    out: dict[str, Any] = {}
+    for name in runs[0]:
+        if any(list(run) != list(runs[0]) for run in runs):
+            return None
+        parts = [run[name] for run in runs]
+        if not _same_kind(parts):
+            return None
+        out[name] = _column_concat(parts)
+    return out
 
 
 def _column_rows(column: Any) -> list[Any]:
@@ -303,13 +324,7 @@ class Contributors:
 
     def take(self, index: np.ndarray) -> Contributors:
         """The rows ``index``, in that order."""
-        index = np.asarray(index, dtype=np.int64)
-        starts = self.offsets[index]
-        lengths = self.offsets[index + 1] - starts
-        offsets = np.zeros(len(index) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        total = int(offsets[-1])
-        gather = np.arange(total, dtype=np.int64) + np.repeat(starts - offsets[:-1], lengths)
+        offsets, gather = _gather_runs(self.offsets, index)
         lineage = None if self.lineage is None else [self.lineage[g] for g in gather.tolist()]
         return Contributors(offsets, self.ids[gather], lineage, self.last[gather])
 
@@ -968,30 +983,31 @@ def blocks_from_records(records: Iterable[SampleRecord]) -> list[Block]:
 # --------------------------------------------------------------------------- batches
 
 
-class _Row:
-    """What ``to_training`` reads of a row, without building its record.
+class RowView:
+    """A row as code that checks payloads reads it, without building its record.
 
     It answers ``row.payload``, ``row.meta.sample_id`` and ``row.meta.tags``
-    (only the packing metadata, the one tag ``to_training`` reads).
+    (what ``to_training`` and the packers' checks read: for ``to_training``
+    the packing metadata, the one tag it reads).
     """
 
     __slots__ = ("payload", "sample_id", "tags")
 
     def __init__(self, sample_id: tuple[int, int, int], payload: Any,
-                 tags: Mapping[str, Any]) -> None:
+                 tags: Mapping[str, Any] | None = None) -> None:
         self.sample_id = sample_id
         self.payload = payload
-        self.tags = tags
+        self.tags = {} if tags is None else tags
 
     @property
-    def meta(self) -> _Row:
+    def meta(self) -> RowView:
         return self
 
 
 class _Rows(Sequence):
     """The rows ``to_training`` reads, plus the columns it reads them from when it can.
 
-    As a sequence it gives a :class:`_Row` per row (built on first use: the
+    As a sequence it gives a :class:`RowView` per row (built on first use: the
     general path); ``columns`` (the block's fields), ``sample_ids`` and
     ``padding_lengths`` let the common batch of packed rows be read as whole
     arrays without them.
@@ -999,7 +1015,7 @@ class _Rows(Sequence):
 
     def __init__(self, block: Block) -> None:
         self._block = block
-        self._rows: list[_Row] | None = None
+        self._rows: list[RowView] | None = None
         self.columns = block.fields if block.tomb is None else None
         self.sample_ids = [tuple(v) for v in block.ids[:, :3].tolist()]
         packing = block.packing
@@ -1008,12 +1024,12 @@ class _Rows(Sequence):
         self.padding_lengths = (pads if pads is not None and all(type(p) is int for p in pads)
                                 else None)
 
-    def _items(self) -> list[_Row]:
+    def _items(self) -> list[RowView]:
         if self._rows is None:
             block = self._block
             packing = block.packing or [None] * len(block)
             self._rows = [
-                _Row(sid, payload, {PACKING_METADATA_TAG: info} if info is not None else {})
+                RowView(sid, payload, {PACKING_METADATA_TAG: info} if info is not None else {})
                 for sid, payload, info in zip(self.sample_ids, block.payload_list(), packing)]
         return self._rows
 

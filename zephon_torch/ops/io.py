@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from zephon_torch.block import ID_DATASET, ID_LOCAL, ID_SHARD, Block, Ragged
+from zephon_torch.block import ID_DATASET, ID_LOCAL, ID_SHARD, Block, concat_columns
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.sources.base import POINTER, Dataset, is_pointer
@@ -216,20 +216,7 @@ class Fetch(Operator):
             if columns is None or (runs and list(columns) != list(runs[0])):
                 return None
             runs.append(columns)
-        if len(runs) == 1:
-            return runs[0]
-        out: dict[str, Any] = {}
-        for name in runs[0]:
-            parts = [run[name] for run in runs]
-            if all(isinstance(p, Ragged) for p in parts):
-                if len({p.values.dtype for p in parts}) != 1:
-                    return None
-                out[name] = Ragged.concat(parts)
-            elif all(isinstance(p, list) for p in parts):
-                out[name] = [v for p in parts for v in p]
-            else:
-                return None
-        return out
+        return concat_columns(runs)
 
     def _read_columns(self, dataset_id: int, shard_id: int,
                       local_ids: np.ndarray) -> dict[str, Any] | None:

@@ -86,7 +86,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from zephon_torch.block import Block, Contributors, Ragged
+from zephon_torch.block import Block, Contributors, Ragged, RowView
 from zephon_torch.ops._binpack import BinPlacer, Placement
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
@@ -420,7 +420,7 @@ class PackingAccumulator(Accumulator):
         """The general path for one document: its token count, checked."""
         payload = block.payload(row)
         ids = block.ids[row].tolist()
-        return _checked_length(_Doc((ids[0], ids[1], ids[2]), payload), self.tokens_field)
+        return _checked_length(RowView((ids[0], ids[1], ids[2]), payload), self.tokens_field)
 
     def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[Any]:
         # Flushing a placer emits every open bin and leaves it fresh: bins (or
@@ -730,20 +730,6 @@ def _interleave(rows: Block, row_positions: np.ndarray, dead: Block,
         source = dead if kinds[start] else rows
         out.append(source.take(index[start:stop]))
     return out
-
-
-class _Doc:
-    """A document as :func:`_checked_length` reads it: its sample id and payload."""
-
-    __slots__ = ("payload", "sample_id")
-
-    def __init__(self, sample_id: tuple[int, int, int], payload: Any) -> None:
-        self.sample_id = sample_id
-        self.payload = payload
-
-    @property
-    def meta(self) -> _Doc:
-        return self
 
 
 class PackFlatAccumulator(PackingAccumulator):

@@ -294,6 +294,15 @@ class _TokenizerOperator(Operator):
         self.__dict__.update(state)
 
 
+def _no_text(payload: Any, field: str, text: Any) -> str:
+    """What is wrong with a payload that holds no string under ``field``."""
+    if isinstance(payload, Mapping) and field in payload:
+        return f"field {field!r} is a {type(text).__name__}, not a str"
+    if isinstance(payload, Mapping):
+        return f"has no field {field!r} (fields: {sorted(map(str, payload))})"
+    return f"payload is a {type(payload).__name__}, not a dict with {field!r}"
+
+
 class Tokenize(_TokenizerOperator):
     """Encode a text field into an ``int32`` array of token ids.
 
@@ -372,13 +381,7 @@ class Tokenize(_TokenizerOperator):
                 texts.append(text)
                 where.append(i)
                 continue
-            if isinstance(payload, Mapping) and field in payload:
-                problem = f"field {field!r} is a {type(text).__name__}, not a str"
-            elif isinstance(payload, Mapping):
-                problem = f"has no field {field!r} (fields: {sorted(map(str, payload))})"
-            else:
-                problem = f"payload is a {type(payload).__name__}, not a dict with {field!r}"
-            out[i] = self._reject(rec, "tokenize_error", problem,
+            out[i] = self._reject(rec, "tokenize_error", _no_text(payload, field, text),
                                   "fix the data, set field=...")
         if texts:
             out_field = self.out_field
@@ -428,14 +431,7 @@ class Tokenize(_TokenizerOperator):
                            for r in self._encode_apart([[t] for t in texts], exc)]
         rejected: dict[int, SampleRecord] = {}
         for i in bad:
-            payload = block.payload(i)
-            text = texts_in[i]
-            if isinstance(payload, Mapping) and field in payload:
-                problem = f"field {field!r} is a {type(text).__name__}, not a str"
-            elif isinstance(payload, Mapping):
-                problem = f"has no field {field!r} (fields: {sorted(map(str, payload))})"
-            else:
-                problem = f"payload is a {type(payload).__name__}, not a dict with {field!r}"
+            problem = _no_text(block.payload(i), field, texts_in[i])
             rejected[i] = self._reject(block.record(i), "tokenize_error", problem,
                                        "fix the data, set field=...")
         rows: list[np.ndarray | None] = [None] * n

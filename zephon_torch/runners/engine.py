@@ -229,13 +229,17 @@ class Engine:
         """A block into a block-mode stage, tombstone rows routed around it unless they ride."""
         if stage.tombs_ride or block.tomb is None:
             self._push_block(stage, block)
-            return
-        for start, stop, is_tomb in _runs(block.tomb):
+        else:
+            self._around_tombstones(stage, block, self._push_block)
+
+    def _around_tombstones(self, stage: Stage, block: Block, push: Any) -> None:
+        """``push(stage, part)`` each run of data rows; tombstone runs keep their place."""
+        for start, stop, is_tomb in _runs(block.tomb):  # type: ignore[arg-type]
             part = block.slice(start, stop)
             if is_tomb:
                 self._tombstones(stage, part)
             else:
-                self._push_block(stage, part)
+                push(stage, part)
 
     def _push_block(self, stage: Stage, block: Block) -> None:
         acc = stage.acc
@@ -252,13 +256,9 @@ class Engine:
         """A block into a stage that takes records: viewed as records once."""
         if block.tomb is None:
             self._push(stage, block.records())
-            return
-        for start, stop, is_tomb in _runs(block.tomb):
-            part = block.slice(start, stop)
-            if is_tomb:
-                self._tombstones(stage, part)
-            else:
-                self._push(stage, part.records())
+        else:
+            self._around_tombstones(stage, block,
+                                    lambda stage, part: self._push(stage, part.records()))
 
     def _feed_list(self, stage: Stage, elems: list[Any]) -> None:
         # Control records are rare: find them in one sweep, then cut around them.

@@ -989,7 +989,7 @@ class ParquetDataset(_FileDataset):
         :meth:`read` gives for it. None when a column cannot be held so (a
         null list, a fixed-size list): the caller then reads rows.
         """
-        from zephon_torch.block import Ragged
+        from zephon_torch.block import concat_columns
 
         ids = self._check_ids(shard_id, local_ids)
         if not ids.size:
@@ -1005,18 +1005,7 @@ class ParquetDataset(_FileDataset):
             if run is None:
                 return None
             runs.append(run)
-        if len(runs) == 1:
-            return runs[0]
-        columns: dict[str, Any] = {}
-        for name in runs[0]:
-            parts = [run[name] for run in runs]
-            if isinstance(parts[0], Ragged):
-                if any(p.values.dtype != parts[0].values.dtype for p in parts):
-                    return None
-                columns[name] = Ragged.concat(parts)
-            else:
-                columns[name] = [v for p in parts for v in p]
-        return columns
+        return concat_columns(runs)
 
     def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:
         """Each row group's compressed size (of the columns read) spread over its rows."""

@@ -841,13 +841,19 @@ def test_pack_sequences_conserves_segments(lengths, max_length, algorithm):
 # --------------------------------------------------------------------------- padding
 
 
-def test_first_fit_padding_on_a_heavy_tailed_length_distribution_stays_near_one_percent():
+def _heavy_tailed_documents() -> tuple[np.ndarray, list[SampleRecord]]:
+    """20,000 documents of log-normal lengths (a long tail past one row), one lane."""
     rng = np.random.default_rng(0)
     lengths = np.maximum(rng.lognormal(5.5, 1.0, 20_000).astype(int), 1)
     tokens = np.zeros(int(lengths.max()), dtype=np.int32)
     records = [SampleRecord(SampleMeta((0, 0, i), lane_id=0, chunk_id=0, chunk_offset=i,
                                        component_sample_counts={0: 1}),
                             {"input_ids": tokens[:n]}) for i, n in enumerate(lengths)]
+    return lengths, records
+
+
+def test_first_fit_padding_on_a_heavy_tailed_length_distribution_stays_near_one_percent():
+    lengths, records = _heavy_tailed_documents()
     acc = PackFlatAccumulator(2049, num_bins=8)
     plans = [r for mb in acc.push_many(records) + acc.flush() for r in mb]
     padding = sum(r.meta.padding_length for r in plans) / (len(plans) * 2049)
@@ -856,12 +862,7 @@ def test_first_fit_padding_on_a_heavy_tailed_length_distribution_stays_near_one_
 
 
 def test_best_fit_decreasing_pads_far_less_than_first_fit_on_the_same_distribution():
-    rng = np.random.default_rng(0)
-    lengths = np.maximum(rng.lognormal(5.5, 1.0, 20_000).astype(int), 1)
-    tokens = np.zeros(int(lengths.max()), dtype=np.int32)
-    records = [SampleRecord(SampleMeta((0, 0, i), lane_id=0, chunk_id=0, chunk_offset=i,
-                                       component_sample_counts={0: 1}),
-                            {"input_ids": tokens[:n]}) for i, n in enumerate(lengths)]
+    lengths, records = _heavy_tailed_documents()
     padding = {}
     for algorithm in ("first_fit", "best_fit_decreasing"):
         acc = PackFlatAccumulator(2049, num_bins=8, algorithm=algorithm)

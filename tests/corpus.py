@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,3 +54,18 @@ def write_token_parquet(path: Path, count: int, seed: int, *, rows_per_group: in
     table = pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32()))})
     pq.write_table(table, path, row_group_size=rows_per_group)
     return path
+
+
+def assert_scanned_as(data: bytes, block: int, expected: list[tuple[int, int, bytes]]) -> Any:
+    """Feed ``data`` to a line scanner and a line iterator ``block`` bytes at a time and
+    check both against ``expected`` ``(offset, line number, line)``; the scanner."""
+    from zephon_torch.sources import readers
+
+    blocks = [data[i:i + block] for i in range(0, len(data), block)]
+    scanner = readers.LineScanner()
+    for b in blocks:
+        scanner.feed(b)
+    index = scanner.finish()
+    assert [tuple(row) for row in index.tolist()] == [(o, n) for o, n, _ in expected]
+    assert list(readers.iter_lines(blocks)) == [line for _, _, line in expected]
+    return scanner

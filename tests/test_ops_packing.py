@@ -24,7 +24,6 @@ from zephon_torch.ops._binpack import native_available
 from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, OpContext, OpTraits, tombstone
 from zephon_torch.ops.packing import (
     DEFAULT_BFD_WINDOW,
-    PLAN_KEY,
     PackFlat,
     PackFlatAccumulator,
     PackingAccumulator,
@@ -488,29 +487,26 @@ def test_decisions_do_not_depend_on_how_upstream_groups_the_stream():
 # --------------------------------------------------------------------------- plans and assembly
 
 
-def test_bin_plans_reference_the_source_arrays_without_copying():
+def test_the_accumulator_emits_rows_assembled_with_their_final_meta():
     records = docs([3, 2])
-    acc = accumulator(PackFlat(8))
-    plans = [r for mb in acc.push_many(records) + acc.flush() for r in mb]
-    (plan,) = plans
-    assert plan.payload["max_length"] == 8
-    pieces = plan.payload[PLAN_KEY]
-    assert [(p is r.payload, s, e) for (p, s, e), r in zip(pieces, records)] == [
-        (True, 0, 3), (True, 0, 2)]
-    assert plan.meta.padding_length == 3  # the plan's meta is already final
+    acc = accumulator(PackFlat(8, pad_token_id=PAD))
+    (row,) = [r for mb in acc.push_many(records) + acc.flush() for r in mb]
+    assert row.payload["input_ids"].tolist() == [10, 11, 12, 20, 21, PAD, PAD, PAD]
+    assert row.payload["positions"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    assert row.meta.padding_length == 3
+    assert refs(row) == [(0, (), True), (1, (), True)]
 
 
-def test_assembly_is_the_same_whatever_the_grouping_of_plans():
+def test_process_many_leaves_the_assembled_rows_as_they_are_whatever_their_grouping():
     op = PackFlat(16, num_bins=3)
     acc = accumulator(op)
     stream = _lane_stream(4, 60, 1)
-    plans = [r for mb in acc.push_many(stream) + acc.flush() for r in mb]
-    together = op.process_many(plans)
-    singly = [r for p in plans for r in op.process_one(p)]
-    backwards = [op.process_many(plans[i:i + 3]) for i in range(0, len(plans), 3)][::-1]
-    assert together == singly
-    assert together == [r for group in backwards[::-1] for r in group]
-    assert all(PLAN_KEY not in r.payload for r in together if not r.meta.tombstone)
+    emitted = [r for mb in acc.push_many(stream) + acc.flush() for r in mb]
+    together = op.process_many(emitted)
+    singly = [r for p in emitted for r in op.process_one(p)]
+    assert together == singly == emitted
+    assert all(set(r.payload) == {"input_ids", "positions"} for r in together
+               if not r.meta.tombstone)
 
 
 def test_assemble_flat_row_accepts_lists_and_bare_arrays():
@@ -593,7 +589,7 @@ def test_pack_sequences_wrap_and_truncate():
 def test_traits_names_and_config():
     flat = PackFlat(2049, pad_token_id=3)
     assert flat.name == "pack_flat" and PackSequences.name == "pack_sequences"
-    assert flat.traits() == OpTraits(preserves_cursor_order=False, fan_out=True)
+    assert flat.traits() == OpTraits(preserves_cursor_order=False, fan_out=True, inline=True)
     config = flat.config()
     assert {k: v for k, v in config.items() if k != "op"} == {
         "max_length": 2049, "num_bins": 8, "algorithm": "first_fit", "tokens_field": "auto",
@@ -647,19 +643,27 @@ def test_rows_feed_to_training_with_labels_and_cu_seqlens():
     assert batch["labels"][3].tolist() == [61, 62, 63, 64, 65, 66, -100]
 
 
-def test_random_rows_give_cu_seqlens_matching_their_plans():
+def test_random_rows_give_cu_seqlens_matching_the_placement():
+    from zephon_torch.ops._binpack import BinPlacer
+
     op = PackFlat(32, num_bins=4)
     acc = accumulator(op)
     stream = _lane_stream(5, 80, 1)
-    plans = [r for mb in acc.push_many(stream) + acc.flush() for r in mb if not r.meta.tombstone]
-    out = op.process_many(plans)
+    out = [r for mb in acc.push_many(stream) + acc.flush() for r in mb if not r.meta.tombstone]
     batch = SampleBatch(out).to_training(return_labels=True, return_cu_seqlens=True,
                                          dtype=np.int64, flatten=True)
+    # The same lengths placed by the kernel alone give each row's pieces.
+    placer = BinPlacer(32, num_bins=4)
+    lengths = [len(r.payload["input_ids"]) for r in stream if len(r.payload["input_ids"])]
+    placed = [placer.place(np.array(lengths, dtype=np.int64)), placer.flush()]
+    pieces = [[int(stop - start) for _, start, stop, _ in p.row_pieces(row)]
+              for p in placed for row in range(p.rows)]
+    assert len(pieces) == len(out)
     bounds = [0]
-    for plan in plans:
+    for sizes in pieces:
         offset, used = bounds[-1], 0
-        for _, start, stop in plan.payload[PLAN_KEY]:
-            used += stop - start
+        for size in sizes:
+            used += size
             bounds.append(offset + min(used, 31))  # a last full segment loses its last token
         if used < 31:
             bounds.append(offset + 31)  # the padding segment
@@ -837,13 +841,19 @@ def test_pack_sequences_conserves_segments(lengths, max_length, algorithm):
 # --------------------------------------------------------------------------- padding
 
 
-def test_first_fit_padding_on_a_heavy_tailed_length_distribution_stays_near_one_percent():
+def _heavy_tailed_documents() -> tuple[np.ndarray, list[SampleRecord]]:
+    """20,000 documents of log-normal lengths (a long tail past one row), one lane."""
     rng = np.random.default_rng(0)
     lengths = np.maximum(rng.lognormal(5.5, 1.0, 20_000).astype(int), 1)
     tokens = np.zeros(int(lengths.max()), dtype=np.int32)
     records = [SampleRecord(SampleMeta((0, 0, i), lane_id=0, chunk_id=0, chunk_offset=i,
                                        component_sample_counts={0: 1}),
                             {"input_ids": tokens[:n]}) for i, n in enumerate(lengths)]
+    return lengths, records
+
+
+def test_first_fit_padding_on_a_heavy_tailed_length_distribution_stays_near_one_percent():
+    lengths, records = _heavy_tailed_documents()
     acc = PackFlatAccumulator(2049, num_bins=8)
     plans = [r for mb in acc.push_many(records) + acc.flush() for r in mb]
     padding = sum(r.meta.padding_length for r in plans) / (len(plans) * 2049)
@@ -852,12 +862,7 @@ def test_first_fit_padding_on_a_heavy_tailed_length_distribution_stays_near_one_
 
 
 def test_best_fit_decreasing_pads_far_less_than_first_fit_on_the_same_distribution():
-    rng = np.random.default_rng(0)
-    lengths = np.maximum(rng.lognormal(5.5, 1.0, 20_000).astype(int), 1)
-    tokens = np.zeros(int(lengths.max()), dtype=np.int32)
-    records = [SampleRecord(SampleMeta((0, 0, i), lane_id=0, chunk_id=0, chunk_offset=i,
-                                       component_sample_counts={0: 1}),
-                            {"input_ids": tokens[:n]}) for i, n in enumerate(lengths)]
+    lengths, records = _heavy_tailed_documents()
     padding = {}
     for algorithm in ("first_fit", "best_fit_decreasing"):
         acc = PackFlatAccumulator(2049, num_bins=8, algorithm=algorithm)

@@ -347,3 +347,49 @@ def test_each_reset_flush_starts_the_lane_over(events, algorithm, buffer_size):
     take(acc.flush())
     for lane, parts in segments.items():
         assert got[lane] == [i for part in parts for i in _ids(_run(op, [part]))]
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 1000])
+def test_the_block_paths_decide_exactly_as_the_record_paths(size: int) -> None:
+    import random
+
+    from zephon_torch.block import Block
+    from zephon_torch.ops.shuffle import (
+        ReservoirShuffleAccumulator,
+        WarmupBlockAccumulator,
+        block_salts,
+        order_block,
+        order_by_salt,
+        salt_of,
+        shuffle_prefix,
+    )
+    from zephon_torch.types import SampleMeta, SampleRecord
+
+    rng = random.Random(size)
+    recs = [SampleRecord(SampleMeta((0, rng.randrange(5), i), 3, i // 7, i % 7, {0: 1}, None,
+                                    tuple(rng.randrange(3) for _ in range(rng.randrange(3)))),
+                         {"x": i}) for i in range(500)]
+    prefix = shuffle_prefix(11)
+    assert block_salts(prefix, Block.from_records(recs)).tolist() == [
+        salt_of(prefix, r) for r in recs]
+    cuts = [0]
+    while cuts[-1] < len(recs):
+        cuts.append(cuts[-1] + rng.randrange(1, 40))
+    parts = [recs[a:b] for a, b in itertools.pairwise(cuts)]
+
+    by_records, by_blocks = ReservoirShuffleAccumulator(size, seed=11), \
+        ReservoirShuffleAccumulator(size, seed=11)
+    mine = [r for part in parts for mb in by_records.push_many(part) for r in mb]
+    mine += [r for mb in by_records.flush() for r in mb]
+    theirs = [r for part in parts for b in by_blocks.push_block(Block.from_records(part))
+              for r in b.records()]
+    theirs += [r for b in by_blocks.flush() for r in b.records()]
+    assert theirs == mine
+
+    warm_records, warm_blocks = WarmupBlockAccumulator(size), WarmupBlockAccumulator(size)
+    mine = [order_by_salt(mb, prefix) for part in parts for mb in warm_records.push_many(part)]
+    mine += [order_by_salt(mb, prefix) for mb in warm_records.flush()]
+    theirs = [b.take(order_block(b, prefix)).records() for part in parts
+              for b in warm_blocks.push_block(Block.from_records(part))]
+    theirs += [b.take(order_block(b, prefix)).records() for b in warm_blocks.flush()]
+    assert theirs == mine

@@ -6,10 +6,11 @@ interpreter start): pipelines and pools are kept few and small.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import mmap
 import multiprocessing
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from zephon_torch.block import Block, Ragged
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners import shm
@@ -195,8 +197,11 @@ class FailingSetup(Operator):
 class Nap(Operator):
     name = "nap"
 
+    def __init__(self, seconds: float = 0.3) -> None:
+        self.seconds = seconds
+
     def process_many(self, elems):
-        time.sleep(0.3)
+        time.sleep(self.seconds)
         return list(elems)
 
 
@@ -206,6 +211,98 @@ class Sleepy(Operator):
     def process_many(self, elems):
         time.sleep(30)
         return list(elems)
+
+
+class BlockIdentity(Operator):
+    """Returns what it gets: a block stays a block (it has a block path)."""
+
+    name = "block_identity"
+
+    def process_block(self, block: Block) -> Block:
+        return block
+
+
+class MutateThenDie(Operator):
+    """Adds 1 in place to every payload array, then SIGKILLs its worker (once, by ``flag``)."""
+
+    name = "mutate_then_die"
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def process_many(self, elems):
+        for elem in elems:
+            np.add(elem.payload, 1, out=elem.payload)  # into its mapping of the input segment
+        if not os.path.exists(self.flag):
+            with open(self.flag, "w") as f:
+                f.write("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return list(elems)
+
+
+class InputOwner(Operator):
+    """Reports what owns the memory of each input payload array, as seen in the worker."""
+
+    name = "input_owner"
+
+    def process_many(self, elems):
+        return [SampleRecord(e.meta, type(_owner(e.payload)).__name__) for e in elems]
+
+
+class Gate(Operator):
+    """Holds the micro-batches of chunks ``from_chunk`` and later until ``path`` exists."""
+
+    name = "gate"
+
+    def __init__(self, path: str, from_chunk: int) -> None:
+        self.path = path
+        self.from_chunk = from_chunk
+
+    def process_many(self, elems):
+        if any(e.meta.chunk_id >= self.from_chunk for e in elems):
+            deadline = time.monotonic() + 50
+            while not os.path.exists(self.path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return list(elems)
+
+
+def _owner(array: np.ndarray) -> Any:
+    """The object that finally owns an array's memory (through views and memoryviews)."""
+    obj: Any = array
+    while True:
+        if isinstance(obj, np.ndarray) and obj.base is not None:
+            obj = obj.base
+        elif isinstance(obj, memoryview):
+            obj = obj.obj
+        else:
+            return obj
+
+
+def _arrays(value: Any) -> list[np.ndarray]:
+    """Every numpy array inside a payload (dicts, lists, tuples)."""
+    if isinstance(value, np.ndarray):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [a for v in value for a in _arrays(v)]
+    return []
+
+
+def _assert_plain(value: Any) -> None:
+    """A payload holds only builtins and numpy arrays, none of them a view of a mapping."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            assert type(k) is str
+            _assert_plain(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _assert_plain(v)
+    elif isinstance(value, np.ndarray):
+        assert not isinstance(_owner(value), mmap.mmap)  # its own memory, not a segment's
+    else:
+        assert value is None or isinstance(value, (str, bytes, int, float, np.generic)), (
+            f"foreign object in a payload: {value!r}")
 
 
 def _items(n: int) -> list[dict[str, str]]:
@@ -233,14 +330,16 @@ def _meta(i: int) -> SampleMeta:
 
 
 def _assert_same(got: list[Any], want: list[Any]) -> None:
+    """Equal output: types, metas, payloads (arrays by dtype, shape and value), nothing foreign."""
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert type(a) is type(b)
         assert a == b  # metas equal, payload arrays equal by dtype, shape and value
         records = zip(a.records, b.records) if isinstance(a, SampleBatch) else [(a, b)]
         for x, y in records:
-            assert not isinstance(x.payload, shm.LazyPayload)
-            assert x.payload.dtype == y.payload.dtype
+            _assert_plain(x.payload)
+            assert [(v.dtype, v.shape) for v in _arrays(x.payload)] == [
+                (v.dtype, v.shape) for v in _arrays(y.payload)]
 
 
 _SHARED: list[ProcessPool] = []  # the module's pool: its workers outlive single tests
@@ -249,7 +348,7 @@ _SHARED: list[ProcessPool] = []  # the module's pool: its workers outlive single
 @pytest.fixture(autouse=True)
 def _no_leaks():
     yield
-    gc.collect()  # blocks caught in reference cycles release their segments at collection
+    gc.collect()  # pools caught in reference cycles are closed by their finalizers
     shared = {pid for p in _SHARED for pid in p.worker_pids()}
     assert [c for c in multiprocessing.active_children() if c.pid not in shared] == []
     assert _ours() == []
@@ -257,12 +356,24 @@ def _no_leaks():
         assert [t.name for t in threading.enumerate() if t.name.startswith("zephon-")] == []
 
 
+# Stages of the module's pool.
+(IDENTITY, RAISING, PICKY, WHERE_AM_I, INLINE_PROBE, NAP, BLOCK_IDENTITY, LONG_NAP, MUTATE,
+ INPUT_OWNER) = range(10)
+
+
 @pytest.fixture(scope="module")
-def pool():
-    """One pool for the unit tests (stages: identity, raising, picky, where_am_i, ..., nap)."""
+def mutate_flag(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The file ``MutateThenDie`` writes before it kills its worker (the first time only)."""
+    return tmp_path_factory.mktemp("flags") / "mutated"
+
+
+@pytest.fixture(scope="module")
+def pool(mutate_flag):
+    """One pool for the unit tests (its stages: the constants above)."""
     ops = [Identity(), Raising(bad=3), Raising(bad=3, picky=True), WhereAmI(), InlineProbe(),
-           Nap()]
-    ctxs = [OpContext(stage_index=i, stage_name=op.name if i != 2 else "picky")
+           Nap(), BlockIdentity(), Nap(2.0), MutateThenDie(str(mutate_flag)), InputOwner()]
+    names = {PICKY: "picky", LONG_NAP: "long_nap"}
+    ctxs = [OpContext(stage_index=i, stage_name=names.get(i, op.name))
             for i, op in enumerate(ops)]
     with ProcessPool(ops, ctxs, 2, inline_limit=256) as p:
         _SHARED.append(p)
@@ -292,73 +403,69 @@ def test_process_output_equals_inline_exactly(workers, sizes, batched):
     assert isinstance(got[0], SampleBatch) == batched
 
 
-@pytest.mark.timeout(60)
-def test_consecutive_process_stages_pass_handles_without_reading_them():
-    pipe = _pipeline().apply(ToArray(repeat=40)).apply(MapWith(lambda a: a - 1))
-    sizes = {"to_array": 3, "map_with": 4}  # regrouping: a micro-batch spans two blocks
-    before = shm.decode_counts()
-    it = pipe.iter(runner="process", num_workers=2, microbatch_sizes=sizes)
-    got = []
-    seen_segments = 0
-    for item in it:
-        got.append(item)
-        seen_segments = max(seen_segments, len(_ours()))
-    it.close()
-    after = shm.decode_counts()
-    read_here = {tag: after.get(tag, 0) - before.get(tag, 0) for tag in after}
-    assert read_here.get(0, 0) == 0  # to_array's output went to map_with as handles
-    assert read_here.get(1, 0) > 0  # map_with's output was resolved for the consumer
-    assert seen_segments > 0  # payloads really went through shared memory
-    _assert_same(got, _run(pipe, runner="inline", microbatch_sizes=sizes))
+def _block_pipeline(kind: str, corpus_dir: Any, tokenizer: Any) -> tuple[Pipeline, dict]:
+    """Built-in stages only (they run on blocks), with their micro-batch sizes."""
+    if kind == "items":
+        texts = [f"item {i} " * (i % 6) for i in range(70)]  # i % 6 == 0: empty, a tombstone
+        pipe = (Pipeline.from_items(texts, num_lanes=2, chunk_size=16)
+                .tokenize(tokenizer)
+                .map_transform(lambda p: {**p, "n": len(p["input_ids"])})
+                .filter(lambda p: p["n"] % 4 != 1)
+                .batch(4, drop_last=False))
+        return pipe, {"tokenize": 5}
+    if kind == "jsonl":  # with empty documents and a gzipped (streamed) file
+        pipe = (Pipeline.from_jsonl(str(corpus_dir / "web" / "*.jsonl*"), num_lanes=2,
+                                    chunk_size=16)
+                .fetch().decode_text().tokenize(tokenizer, special_tokens="bos_eos")
+                .pack_flat(64, num_bins=2).batch(2))
+        return pipe, {}
+    tokens = str(corpus_dir / "tokens" / "*.parquet")
+    if kind == "parquet":  # a ragged token column sliced from Arrow's offsets
+        pipe = (Pipeline.from_parquet(tokens, num_lanes=2, chunk_size=16)
+                .fetch().filter(lambda p: len(p["input_ids"]) > 20))
+        return pipe, {}
+    pipe = (Pipeline.from_parquet(tokens, num_lanes=2, chunk_size=16)
+            .fetch().pack_flat(48, num_bins=3, algorithm="best_fit").batch(2))
+    return pipe, {}
 
 
-def _assert_same_rows(got: list[Any], want: list[Any]) -> None:
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert a == b  # metas (with their contributors) and payload arrays
-        records = a.records if isinstance(a, SampleBatch) else [a]
-        assert not any(isinstance(r.payload, shm.LazyPayload) for r in records)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["items", "jsonl", "parquet", "parquet_packed"])
+def test_block_stages_in_workers_give_inline_output_exactly(kind, corpus_dir, tokenizer):
+    pipe, sizes = _block_pipeline(kind, corpus_dir, tokenizer)
+    want = _run(pipe, runner="inline", microbatch_sizes=sizes)
+    with pipe.iter(runner="process", num_workers=2, microbatch_sizes=sizes) as it:
+        remote = [s for s in it.stages if not s.local]
+        got = list(it)
+    # The built-in stages really ran in the workers, on blocks.
+    assert remote and all(s.blocks for s in remote)
+    assert all(s.counters["microbatches"] > 0 for s in remote)
+    assert len(want) > 5
+    _assert_same(got, want)
 
 
-@pytest.mark.timeout(60)
-def test_a_packer_places_handles_by_their_lengths_without_reading_the_documents():
-    """Tokenized documents reach pack_flat as shared-memory handles; it places them by
-    the lengths their worker recorded, and the bin plans carry the handles on to
-    the workers that assemble the rows: the main process never reads them, not
-    even to split the documents longer than a row."""
-    pipe = _pipeline(80).apply(ToIds()).pack_flat(24, num_bins=3).batch(2)
-    before = shm.decode_counts()
-    got = _run(pipe, runner="process", num_workers=2)
-    after = shm.decode_counts()
-    assert after.get(0, 0) - before.get(0, 0) == 0  # to_ids' blocks: never read here
-    assert after.get(1, 0) - before.get(1, 0) > 0  # the rows are, for the consumer
-    _assert_same_rows(got, _run(pipe, runner="inline"))
-
-
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("algorithm", ["first_fit", "best_fit", "wrap"])
-def test_a_packer_given_handles_decides_as_inline_when_some_must_be_read(algorithm):
-    """Handles of split documents, of loss masks and under wrap placement; those with a
-    float mask (not described as an id array) are read. The output is still the
-    inline runner's."""
+def test_packed_rows_under_the_process_runner_equal_inline(algorithm):
+    """Token arrays from a user operator (lists), int32 and float32 loss masks among them,
+    are packed on the driver and the assembled rows travel to a worker and back: rows,
+    metas (contributors, packing metadata) and dtypes are inline's."""
     pipe = (_pipeline(80).apply(ToIds(mask=True))
             .pack_flat(24, num_bins=2, algorithm=algorithm).batch(3))
     sizes = {"to_ids": 5}
     got = _run(pipe, runner="process", num_workers=2, microbatch_sizes=sizes)
-    _assert_same_rows(got, _run(pipe, runner="inline", microbatch_sizes=sizes))
-    seq = _pipeline(40).apply(ToIds(mask=True)).pack_sequences(24, num_bins=2)
-    got = _run(seq, runner="process", num_workers=2)
-    want = _run(seq, runner="inline")
-    assert [r.meta for r in got] == [r.meta for r in want]
-    for a, b in zip(got, want):
-        assert [{k: v.tolist() for k, v in p.items()} for p in a.payload["packed_samples"]] == [
-            {k: v.tolist() for k, v in p.items()} for p in b.payload["packed_samples"]]
+    _assert_same(got, _run(pipe, runner="inline", microbatch_sizes=sizes))
+    seq = _pipeline(40).apply(ToIds(mask=True)).pack_sequences(24, num_bins=2,
+                                                               algorithm=algorithm)
+    _assert_same(_run(seq, runner="process", num_workers=2), _run(seq, runner="inline"))
 
 
 @pytest.mark.timeout(60)
 def test_worker_killed_mid_run_is_replaced_and_output_is_identical(tmp_path):
     flag = tmp_path / "killed"
-    base = _pipeline().apply(ToArray(repeat=20))
+    # repeat=200: a micro-batch of kill_once holds tens of KB, so it travels in a
+    # segment, which the retry after the death must still find.
+    base = _pipeline().apply(ToArray(repeat=200))
     want = _run(base, runner="inline")
     pipe = base.apply(KillOnce(marker=7, flag=str(flag)))
     got = _run(pipe, runner="process", num_workers=2,
@@ -390,20 +497,22 @@ def test_operator_exception_keeps_type_message_and_worker_traceback():
 
 
 @pytest.mark.timeout(60)
-def test_early_break_leaves_no_segments_and_no_children():
-    pipe = _pipeline(200).apply(ToArray(repeat=50))
-    it = pipe.iter(runner="process", num_workers=2, microbatch_sizes={"to_array": 4})
-    first = next(it)
-    deadline = time.monotonic() + 10
-    while not _ours() and time.monotonic() < deadline:  # prefetched results wait in /dev/shm
-        time.sleep(0.02)
-    assert _ours(), "expected unresolved results in shared memory"
-    for _ in range(3):
-        next(it)
+def test_early_break_with_work_in_flight_leaves_no_segments_and_no_children(tmp_path):
+    base = _pipeline(200).apply(ToArray(repeat=200))
+    want = _run(base, runner="inline", microbatch_sizes={"to_array": 4})
+    # Chunks 0..2 of both lanes (48 records) pass the gate; later micro-batches wait
+    # in the workers, their inputs (tens of KB each) in shared memory.
+    pipe = base.apply(Gate(str(tmp_path / "never"), from_chunk=3))
+    it = pipe.iter(runner="process", num_workers=2,
+                   microbatch_sizes={"to_array": 4, "gate": 4})
+    got = [next(it)]
+    while not _ours() and len(got) < 48:
+        got.append(next(it))
+    assert _ours(), "expected the inputs of unfinished micro-batches in shared memory"
     it.close()
     assert _ours() == []
     assert multiprocessing.active_children() == []
-    assert first.payload.dtype == np.int32
+    _assert_same(got, want[:len(got)])  # what the consumer holds outlives the segments
 
 
 def _run_in_daemon(out: Any) -> None:
@@ -446,114 +555,161 @@ def test_numpy_payloads_survive_exactly_through_two_hops(pool):
         b"raw bytes",
         np.frombuffer(b"read-only bytes!", dtype=np.uint8),
     ]
-    first = pool.submit(0, _records(payloads)).result(timeout=30)
-    assert [isinstance(r.payload, shm.LazyPayload) for r in first] == [
-        p is not None for p in payloads]  # no payload, no handle
-    before = shm.decode_counts().get(0, 0)
-    second = pool.submit(0, first).result(timeout=30)  # handles forwarded, nothing read here
-    assert shm.decode_counts().get(0, 0) == before
-    got = pool.resolve(second)
-    assert shm.decode_counts().get(0, 0) == before + 1
-    for record, want in zip(got, payloads):
-        assert record == SampleRecord(record.meta, want)
-        if isinstance(want, np.ndarray):
-            assert record.payload.dtype == want.dtype
-            assert record.payload.flags.f_contiguous == want.flags.f_contiguous
-            assert record.payload.flags.writeable == want.flags.writeable
-    assert [r.meta for r in got] == [_meta(i) for i in range(len(payloads))]
+    first = pool.submit(IDENTITY, _records(payloads)).result(timeout=30)
+    second = pool.submit(IDENTITY, first).result(timeout=30)  # what came back goes out again
+    for got in (first, second):
+        assert [r.meta for r in got] == [_meta(i) for i in range(len(payloads))]
+        for record, want in zip(got, payloads):
+            assert record == SampleRecord(record.meta, want)
+            _assert_plain(record.payload)
+            if isinstance(want, np.ndarray):
+                assert record.payload.dtype == want.dtype
+                assert record.payload.flags.f_contiguous == want.flags.f_contiguous
+                assert record.payload.flags.writeable == want.flags.writeable
 
 
 @pytest.mark.timeout(60)
 def test_batches_and_records_keep_their_shape(pool):
     records = _records([np.full(100, i) for i in range(7)])
     elems = [SampleBatch(records[:3]), records[3], SampleBatch(records[4:])]
-    got = pool.resolve(pool.submit(0, elems).result(timeout=30))
+    got = pool.submit(IDENTITY, elems).result(timeout=30)
     assert got == elems
     assert [type(e) for e in got] == [SampleBatch, SampleRecord, SampleBatch]
+
+
+def _block() -> Block:
+    """A block of token rows (some empty, some long), a text column and a tombstone row,
+    sliced so that its ragged column's offsets do not start at 0."""
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(0, 50_000, n).astype(np.int32) for n in (4, 0, 700, 5, 1200, 9)]
+    n = len(rows)
+    ids = np.array([(0, 2, 40 + i, 7, i) for i in range(n)], dtype=np.int64)
+    tomb = np.zeros(n, dtype=bool)
+    tomb[3] = True
+    block = Block(1, ids,
+                  fields={"input_ids": Ragged.from_rows(rows, np.int32),
+                          "text": [f"doc {i}" for i in range(n)]},
+                  component=np.zeros(n, dtype=np.int64), tomb=tomb,
+                  reason=[None, None, None, "empty", None, None], detail=[None] * n)
+    return block.slice(1, n)
+
+
+@pytest.mark.timeout(60)
+def test_a_block_sent_to_a_worker_comes_back_with_its_columns(pool):
+    block = _block()
+    assert block.fields["input_ids"].offsets[0] > 0
+    got = pool.submit(BLOCK_IDENTITY, block).result(timeout=30)
+    assert type(got) is Block
+    assert got.lane == block.lane
+    assert got.ids.dtype == np.int64 and got.ids.shape == block.ids.shape
+    assert np.array_equal(got.ids, block.ids)
+    tokens = got.fields["input_ids"]
+    assert isinstance(tokens, Ragged)  # still one column, not a list of arrays
+    assert tokens.values.dtype == np.int32 and tokens.offsets.dtype == np.int64
+    assert tokens == block.fields["input_ids"]
+    assert got.fields["text"] == block.fields["text"]
+    assert np.array_equal(got.tomb, block.tomb) and got.reason == block.reason
+    assert np.array_equal(got.component, block.component)
+    assert got.records() == block.records()
+    for array in (got.ids, tokens.values, tokens.offsets, got.tomb, got.component):
+        assert not isinstance(_owner(array), mmap.mmap)
+    # An operator without a block path gets the block's records.
+    assert pool.submit(IDENTITY, block).result(timeout=30) == block.records()
+
+
+@pytest.mark.timeout(60)
+def test_results_are_the_main_process_own_memory_and_leave_no_segment(pool):
+    payloads = [{"input_ids": np.arange(300_000, dtype=np.int64),
+                 "mask": np.ones(300_000, dtype=np.int8)},
+                np.arange(5000.0)]
+    got = pool.submit(IDENTITY, _records(payloads)).result(timeout=30)
+    # Input and result went through segments, and both are gone once the result is here.
+    assert _ours() == []
+    arrays = [a for r in got for a in _arrays(r.payload)]
+    assert len(arrays) == 3
+    for array in arrays:
+        assert array.flags.writeable
+        assert not isinstance(_owner(array), mmap.mmap)  # a copy, not a view of the segment
+    assert got == _records(payloads)  # and readable with the segments unlinked
+    got[1].payload[:] = -1
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_maps_its_input_arrays_from_the_segment_without_a_copy(pool):
+    got = pool.submit(INPUT_OWNER, _records([np.arange(10_000), np.zeros((3, 3))])).result(
+        timeout=30)
+    assert [r.payload for r in got] == ["mmap", "mmap"]
+
+
+@pytest.mark.timeout(60)
+def test_a_queued_task_reads_its_input_segment_after_waiting(pool):
+    naps = [pool.submit(NAP, _records([1])) for _ in range(2)]  # both workers busy
+    before = set(_ours())
+    arrays = [np.arange(1000) + i for i in range(4)]
+    queued = pool.submit(IDENTITY, _records(arrays))
+    assert len(set(_ours()) - before) == 1  # its input, written at submit
+    assert queued.result(timeout=30) == _records(arrays)
+    for nap in naps:
+        nap.result(timeout=30)
+    assert _ours() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_task_retried_after_its_worker_died_reads_its_input_as_written(pool, mutate_flag):
+    """The dying worker wrote into its mapping of the input first: copy-on-write keeps
+    that private, so the retry (in another worker) reads the input as submitted."""
+    arrays = [np.arange(5000, dtype=np.int64) * i for i in range(3)]
+    workers = set(pool.worker_pids())
+    got = pool.submit(MUTATE, _records(arrays)).result(timeout=60)
+    assert mutate_flag.exists()  # a worker wrote into its input, then died
+    assert set(pool.worker_pids()) != workers  # and was replaced
+    for record, array in zip(got, arrays):
+        assert record.payload.dtype == np.int64
+        assert np.array_equal(record.payload, array + 1)  # +1 once, not twice
+    assert _ours() == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_forked_child_closing_the_pool_leaves_the_parents_workers_and_segments(pool):
+    workers = pool.worker_pids()
+    before = set(_ours())
+    arrays = [np.arange(1000)]
+    future = pool.submit(LONG_NAP, _records(arrays))  # in flight for 2 s
+    (held,) = set(_ours()) - before  # its input segment
+    pid = os.fork()
+    if pid == 0:  # the child's copy of the pool is its parent's: closing it must do nothing,
+        try:  # and so must a SIGTERM (a scheduler stopping the child) while it is alive
+            with contextlib.suppress(BaseException):
+                pool.close()
+            signal.raise_signal(signal.SIGTERM)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.path.exists(os.path.join(shm.segment_dir(), held))
+    assert future.result(timeout=30) == _records(arrays)
+    assert pool.worker_pids() == workers  # none was stopped or killed
 
 
 @pytest.mark.timeout(60)
 def test_unpicklable_exception_becomes_runtime_error_with_details(pool):
     with pytest.raises(RuntimeError, match=r"PickyError: left and right") as info:
-        pool.submit(2, _records(range(5))).result(timeout=30)
+        pool.submit(PICKY, _records(range(5))).result(timeout=30)
     assert "stage 'picky'" in str(info.value)
     assert isinstance(info.value.__cause__, WorkerTraceback)
     with pytest.raises(ValueError, match="bad item 3"):  # and the pool keeps working
-        pool.submit(1, _records(range(5))).result(timeout=30)
-    assert len(pool.submit(0, _records(range(5))).result(timeout=30)) == 5
+        pool.submit(RAISING, _records(range(5))).result(timeout=30)
+    assert len(pool.submit(IDENTITY, _records(range(5))).result(timeout=30)) == 5
 
 
 @pytest.mark.timeout(60)
 def test_workers_are_separate_processes_without_torch_and_set_up_once(pool):
-    futures = [pool.submit(3, _records(range(4))) for _ in range(6)]
-    infos = [r.payload for f in futures for r in pool.resolve(f.result(timeout=30))]
+    futures = [pool.submit(WHERE_AM_I, _records(range(4))) for _ in range(6)]
+    infos = [r.payload for f in futures for r in f.result(timeout=30)]
     assert {info["pid"] for info in infos} <= set(pool.worker_pids())
     assert os.getpid() not in {info["pid"] for info in infos}
     assert not any(info["torch"] for info in infos)
     assert {info["setups"] for info in infos} == {1}
-
-
-@pytest.mark.timeout(60)
-def test_micro_batch_mixing_handles_read_blocks_and_real_payloads(pool):
-    arrays = [np.full(64, i, dtype=np.int16) for i in range(6)]
-    first = pool.submit(0, _records(arrays)).result(timeout=30)
-    (read,) = pool.resolve([first[0]])  # reads the block here
-    other = pool.submit(0, _records(arrays)).result(timeout=30)  # still in shared memory
-    fresh = SampleRecord(_meta(9), np.arange(70))
-    elems = [other[2], first[1], fresh, other[0], read]
-    got = pool.resolve(pool.submit(0, elems).result(timeout=30))
-    assert got == pool.resolve(elems)
-    assert [r.meta for r in got] == [e.meta for e in elems]
-
-
-@pytest.mark.timeout(60)
-def test_reading_a_block_here_does_not_pull_it_from_under_a_queued_task(pool):
-    # A tombstone may overtake its siblings and be resolved at a later stage while
-    # they still wait, as handles to the same block, in a worker's queue.
-    first = pool.submit(0, _records([np.arange(100) + i for i in range(4)])).result(timeout=30)
-    naps = [pool.submit(5, _records([1])) for _ in range(2)]  # both workers busy
-    queued = pool.submit(0, first[1:])
-    pool.resolve(first[:1])
-    assert pool.resolve(queued.result(timeout=30)) == pool.resolve(first[1:])
-    for nap in naps:
-        nap.result(timeout=30)
-
-
-def test_blocks_unlink_their_segment_when_dropped_or_when_the_ledger_closes():
-    directory = shm.segment_dir()
-    prefix = f"{shm.new_prefix()}-{os.getpid()}"
-    writer = shm.Writer(directory, prefix, inline_limit=0)
-    ledger = shm.Ledger(directory)
-    block = shm.Block(writer.dump([np.arange(10)]), ledger)
-    path = os.path.join(directory, block.ref.name)
-    assert os.path.exists(path)
-    del block
-    assert not os.path.exists(path)  # the last reference died
-    block = shm.Block(writer.dump([np.arange(10)]), ledger)
-    ledger.release_all()  # what ProcessPool.close() does
-    assert _ours() == []
-    with pytest.raises(RuntimeError, match="closed before it was resolved"):
-        shm.LazyPayload(block, 0).load()
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_a_forked_child_never_unlinks_its_parents_segments():
-    directory = shm.segment_dir()
-    writer = shm.Writer(directory, f"{shm.new_prefix()}-{os.getpid()}", inline_limit=0)
-    ledger = shm.Ledger(directory)
-    block = shm.Block(writer.dump([np.arange(10)]), ledger)
-    path = os.path.join(directory, block.ref.name)
-    pid = os.fork()
-    if pid == 0:  # the child drops the block, then closes the ledger: both must be no-ops
-        try:
-            del block
-            ledger.release_all()
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-    assert os.path.exists(path)
-    del block
-    assert not os.path.exists(path)
 
 
 def test_full_segment_directory_falls_back_to_inline_bytes(tmp_path):
@@ -563,13 +719,6 @@ def test_full_segment_directory_falls_back_to_inline_bytes(tmp_path):
     assert ref.name is None and ref.data is not None
     got = shm.load(ref, str(tmp_path / "missing"), copy=True)
     assert np.array_equal(got[0], np.arange(1000)) and got[1] == "text"
-
-
-def test_lazy_payload_refuses_to_be_pickled():
-    ledger = shm.Ledger(shm.segment_dir())
-    ref = shm.Writer(shm.segment_dir(), "unused", inline_limit=10_000).dump([1, 2])
-    with pytest.raises(TypeError, match="resolve it first"):
-        pickle.dumps(shm.LazyPayload(shm.Block(ref, ledger), 0))
 
 
 def test_unpicklable_operator_is_a_clear_error_before_any_process_starts():

@@ -10,9 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from memsource import MemDataset
 
+from zephon_torch.block import Block, Sentinel
 from zephon_torch.sources.emitter import SourceEmitter
 from zephon_torch.sources.permute import permute, seed_key
 from zephon_torch.sources.schedule import WorkSchedule
+from zephon_torch.vocab import TOMBSTONE_REASON_TAG
 
 
 def all_chunks(schedule: WorkSchedule) -> list:
@@ -116,20 +118,36 @@ def test_emitter_skips_other_lanes_and_injects_sentinels_per_lane() -> None:
     ds = MemDataset([f"d{i}" for i in range(40)])
     schedule = WorkSchedule([ds], chunk_size=4, num_lanes=2, shuffle=False)
     emitter = SourceEmitter(schedule, [ds], lanes=[1], flush_every=2)
-    out = [r for chunk in emitter for r in chunk]
-    data = [r for r in out if not r.meta.is_flush_sentinel]
-    sentinels = [r for r in out if r.meta.is_flush_sentinel]
-    assert {r.meta.lane_id for r in out} == {1}
+    units = [unit for chunk in emitter for unit in chunk]
+    # Lane 1 owns global chunks 1, 3, 5, 7, 9 (its chunks 0..4); a sentinel follows the
+    # block of every second one, tagged with the first chunk of the next period.
+    assert [(type(u).__name__, u.lane, u.boundary if type(u) is Sentinel else
+             int(u.chunk_ids[0])) for u in units] == [
+        ("Block", 1, 0), ("Block", 1, 1), ("Sentinel", 1, 2),
+        ("Block", 1, 2), ("Block", 1, 3), ("Sentinel", 1, 4), ("Block", 1, 4)]
+    data = [r for u in units if type(u) is Block for r in u.records()]
+    assert {r.meta.lane_id for r in data} == {1}
+    assert not any(r.meta.is_sentinel for r in data)
     assert [r.payload["text"] for r in data[:5]] == ["d4", "d5", "d6", "d7", "d12"]
-    assert [(s.meta.lane_id, s.meta.chunk_id) for s in sentinels] == [(1, 2), (1, 4)]
     assert [r.meta.chunk_offset for r in data[:5]] == [0, 1, 2, 3, 0]
+    assert [r.meta.chunk_id for r in data] == [c for c in range(5) for _ in range(4)]
+    # As records (what a user accumulator sees), the sentinels are flush sentinels.
+    records = [u.record() for u in units if type(u) is Sentinel]
+    assert all(r.meta.is_flush_sentinel for r in records)
+    assert [(r.meta.lane_id, r.meta.chunk_id) for r in records] == [(1, 2), (1, 4)]
 
 
 def test_empty_item_text_becomes_a_tombstone_at_the_source() -> None:
     ds = MemDataset(["a", "", "  ", "b"])
     schedule = WorkSchedule([ds], chunk_size=8, num_lanes=1, shuffle=False)
-    records = next(iter(SourceEmitter(schedule, [ds], lanes=[0])))
+    (block,) = next(iter(SourceEmitter(schedule, [ds], lanes=[0])))
+    assert type(block) is Block
+    records = block.records()
     assert [r.meta.tombstone for r in records] == [False, True, True, False]
+    assert [r.meta.tags.get(TOMBSTONE_REASON_TAG) for r in records] == [
+        None, "empty", "empty", None]
+    assert [r.payload for r in records] == [{"text": "a"}, None, None, {"text": "b"}]
+    assert [r.meta.chunk_offset for r in records] == [0, 1, 2, 3]
 
 
 # Golden values: they pin the permutation so that an accidental change of the

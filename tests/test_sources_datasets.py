@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from corpus import assert_scanned_as
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -325,13 +326,7 @@ def test_line_scanner_and_line_iterator_agree_with_a_naive_split(lines, final_ne
         if line.strip():
             expected.append((offset, number, line[:-1] if line.endswith(b"\r") else line))
         offset += len(line) + 1
-    blocks = [data[i:i + block] for i in range(0, len(data), block)]
-    scanner = readers.LineScanner()
-    for b in blocks:
-        scanner.feed(b)
-    index = scanner.finish()
-    assert [tuple(row) for row in index.tolist()] == [(o, n) for o, n, _ in expected]
-    assert list(readers.iter_lines(blocks)) == [line for _, _, line in expected]
+    assert_scanned_as(data, block, expected)
 
 
 # ---------------------------------------------------------------- parquet

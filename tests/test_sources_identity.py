@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from corpus import assert_scanned_as
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -531,13 +532,8 @@ def test_cr_only_scanner_reader_and_stream_agree_with_a_naive_split(lines, final
         if line.strip():
             expected.append((offset, number, line))
         offset += len(line) + 1
-    blocks = [data[i:i + block] for i in range(0, len(data), block)]
-    scanner = readers.LineScanner()
-    for b in blocks:
-        scanner.feed(b)
+    scanner = assert_scanned_as(data, block, expected)
     index = scanner.finish()
-    assert [tuple(row) for row in index.tolist()] == [(o, n) for o, n, _ in expected]
-    assert list(readers.iter_lines(blocks)) == [line for _, _, line in expected]
     if b"\r" in data:
         assert scanner.line_end == "cr"
 

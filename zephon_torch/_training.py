@@ -34,12 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from zephon_torch.types import PACKING_METADATA_TAG
+from zephon_torch.vocab import PACKING_METADATA_TAG, find_token_field
 
-__all__ = ["AUTO_TOKEN_FIELDS", "batch_to_training"]
+__all__ = ["batch_to_training"]
 
-#: Field names ``tokens_field="auto"`` looks for, in this order.
-AUTO_TOKEN_FIELDS = ("input_ids", "tokens", "token_ids", "ids")
 
 _INT32_MAX = 2**31 - 1
 
@@ -75,6 +73,17 @@ def batch_to_training(
         eos_token_id=eos_token_id, position_mode=position_mode,
     )
     fmt = _output_format(dtype, device, pin_memory)
+    columns = getattr(records, "columns", None)
+    if columns is not None and not extra_fields and not flatten and fmt.kind != "list":
+        out = _from_columns(
+            columns, records, tokens_field=tokens_field, return_labels=return_labels, fmt=fmt,
+            ignore_index=ignore_index, return_num_valid_tokens=return_num_valid_tokens,
+            return_loss_mask=return_loss_mask, return_cu_seqlens=return_cu_seqlens,
+            return_padding_mask=return_padding_mask,
+            eos_token_id=eos_token_id if eos_mask_loss else None, position_mode=position_mode)
+        if out is not None:
+            out = _rename_and_exclude(out, rename_fields, exclude_fields, allow_missing=False)
+            return fmt.place(out)
     if not records:
         out = _empty_output(
             position_mode=position_mode, return_num_valid_tokens=return_num_valid_tokens,
@@ -167,6 +176,129 @@ def batch_to_training(
 
     out = _rename_and_exclude(out, rename_fields, exclude_fields, allow_missing=False)
     return fmt.place(out)
+
+
+def _from_columns(
+    columns: Mapping[str, Any], rows: Sequence[Any], *, tokens_field: str, return_labels: bool,
+    fmt: _OutputFormat, ignore_index: int, return_num_valid_tokens: bool,
+    return_loss_mask: bool, return_cu_seqlens: bool, return_padding_mask: bool,
+    eos_token_id: int | None, position_mode: str,
+) -> dict[str, Any] | None:
+    """The common batch, straight from its columns: packed rows as ``[B, S]`` arrays.
+
+    ``columns`` holds the batch's payload columns (a block's fields) and
+    ``rows`` gives each row's sample id and packing metadata. Anything this
+    does not cover (a loss mask, uneven rows, a missing padding length, a
+    column that is not a 2-D integer array) returns None, and the general
+    path, which gives the same output, takes over.
+    """
+    name = tokens_field
+    if name == "auto":
+        name = next((f for f in ("input_ids", "tokens", "token_ids", "ids") if f in columns),
+                    None)
+    tokens = columns.get(name) if name is not None else None
+    if (type(tokens) is not np.ndarray or tokens.ndim != 2 or tokens.dtype.kind not in "iu"
+            or "loss_mask" in columns or (return_labels and tokens.shape[1] < 1)):
+        return None
+    count, width = tokens.shape
+    positions = columns.get("positions")
+    if positions is not None and (type(positions) is not np.ndarray
+                                  or positions.shape != tokens.shape
+                                  or positions.dtype.kind not in "iu"):
+        return None
+    pads = getattr(rows, "padding_lengths", None)
+    if pads is None:
+        return None
+    pad = np.asarray(pads, dtype=np.int64)
+    if ((return_labels or return_padding_mask) and len(pad)
+            and (pad.min() < 0 or pad.max() > width)):
+        return None  # the general path names the record
+    work = fmt.work_dtype
+    texts = columns.get("text")
+    if texts is not None and not all(t is None or isinstance(t, str) for t in texts):
+        return None  # the general path names the record
+    out: dict[str, Any] = {
+        "ids": rows.sample_ids,
+        "texts": [""] * count if texts is None else ["" if t is None else t for t in texts],
+    }
+    convert = fmt.convert
+    if return_labels:
+        inputs = tokens[:, :-1].astype(work)
+        labels = tokens[:, 1:].astype(work)
+        in_width = width - 1
+        if labels.dtype.kind in "iu":
+            info = np.iinfo(labels.dtype)
+            if not info.min <= ignore_index <= info.max:
+                return None
+        grid = np.arange(in_width)
+        ignored = grid[None, :] >= (width - pad - 1)[:, None]
+        if eos_token_id is not None:
+            ignored |= inputs == eos_token_id
+        np.putmask(labels, ignored, ignore_index)
+        out["input_ids"] = convert(inputs, None)
+        out["labels"] = convert(labels, None)
+    else:
+        inputs = tokens.astype(work)
+        in_width = width
+        out["input_ids"] = convert(inputs, None)
+        labels = None
+    in_positions = None
+    if positions is not None:
+        in_positions = positions[:, :in_width]
+    elif return_cu_seqlens:
+        return None  # the general path raises the clear error
+    if position_mode == "sequence":
+        out["positions"] = convert(np.tile(np.arange(in_width, dtype=work), (count, 1)), None)
+    elif in_positions is not None:
+        out["positions"] = convert(in_positions.astype(work), None)
+    if labels is not None and (return_num_valid_tokens or return_loss_mask):
+        counted = labels != ignore_index
+        if return_num_valid_tokens:
+            out["num_valid_tokens"] = int(np.count_nonzero(counted))
+        if return_loss_mask:
+            out["loss_mask"] = convert(counted.astype(np.float32), "float32")
+    if return_cu_seqlens:
+        assert in_positions is not None
+        lengths = np.full(count, in_width, dtype=np.int64)
+        if in_width and not (in_positions[:, 0] == 0).all():
+            return None  # the general path raises naming the record
+        if in_width > _INT32_MAX:
+            return None
+        cu, max_len = _uniform_cu_seqlens(in_positions, lengths)
+        out["cu_seqlens"] = convert(cu, "int32")
+        out["max_seqlen"] = convert(max_len, "int32")
+    if return_padding_mask:
+        out["padding_mask"] = convert(np.arange(in_width) >= (width - pad)[:, None], "bool")
+    return out
+
+
+def _uniform_cu_seqlens(positions: np.ndarray, lengths: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """``cu_seqlens`` and per-row maxima of rows of one width (see :func:`_cu_seqlens`)."""
+    rows, width = positions.shape
+    flat = np.flatnonzero(positions == 0)
+    row_idx, col_idx = np.divmod(flat, max(width, 1))
+    bounds = np.empty(len(flat) + 1, dtype=np.int32)
+    bounds[:-1] = flat
+    bounds[-1] = rows * width
+    return _per_row(rows, row_idx, col_idx, bounds[1:] - bounds[:-1], lengths)
+
+
+def _per_row(rows: int, row_idx: np.ndarray, col_idx: np.ndarray, seg_lengths: np.ndarray,
+             lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise boundaries (each row's segment starts, then its length, padded with it)
+    and each row's longest segment, from the starts' rows and columns."""
+    counts = np.bincount(row_idx, minlength=rows)
+    cu = np.empty((rows, int(counts.max(initial=0)) + 1), dtype=np.int32)
+    cu[:] = lengths[:, None]
+    first = counts.cumsum()
+    first -= counts
+    cu[row_idx, np.arange(len(row_idx)) - first[row_idx]] = col_idx
+    max_len = np.zeros(rows, dtype=np.int32)
+    if len(row_idx):
+        has = counts > 0
+        max_len[has] = np.maximum.reduceat(seg_lengths, first[has])
+    return cu, max_len
 
 
 # --------------------------------------------------------------------------- options
@@ -740,13 +872,7 @@ def _refuse_mixed_payloads(first: Any, other: Any) -> None:
 
 
 def _detect_token_field(payload: dict) -> str:
-    for name in AUTO_TOKEN_FIELDS:
-        if name in payload:
-            return name
-    raise ValueError(
-        f"cannot detect the token field: the payload fields are {sorted(payload)}, none of "
-        f"{list(AUTO_TOKEN_FIELDS)}; pass tokens_field= explicitly"
-    )
+    return find_token_field(payload, "auto")  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- computations
@@ -826,14 +952,4 @@ def _cu_seqlens(
     seg_lengths = bounds[1:] - bounds[:-1]
     if flatten:
         return bounds, int(seg_lengths.max(initial=0))
-    counts = np.bincount(row_idx, minlength=rows)
-    cu = np.empty((rows, int(counts.max(initial=0)) + 1), dtype=np.int32)
-    cu[:] = lengths[:, None]
-    first = counts.cumsum()
-    first -= counts
-    cu[row_idx, np.arange(len(flat)) - first[row_idx]] = col_idx
-    max_len = np.zeros(rows, dtype=np.int32)
-    if len(flat):
-        has = counts > 0
-        max_len[has] = np.maximum.reduceat(seg_lengths, first[has])
-    return cu, max_len
+    return _per_row(rows, row_idx, col_idx, seg_lengths, lengths)

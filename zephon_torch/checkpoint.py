@@ -54,11 +54,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from zephon_torch.block import ID_CHUNK, Block, BlockBatch
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
 from zephon_torch.sources.base import parse_content_table
 from zephon_torch.sources.schedule import Chunk, ScheduleState
 from zephon_torch.types import SampleBatch, SampleRecord
+from zephon_torch.vocab import closed_offsets
 
 __all__ = [
     "ACCEPT_CHANGED_DATA",
@@ -269,16 +273,48 @@ class ProgressTracker:
             return  # epochs end at sentinels: closures are not needed
         meta = record.meta
         lane = self.lanes[meta.lane_id]
-        tags = meta.tags
-        if not tags or "_contributors" not in tags:
-            lane.close(meta.chunk_id, meta.chunk_offset)
+        for chunk_id, offset in closed_offsets(meta):
+            lane.close(chunk_id, offset)
+
+    def close_block(self, block: Block) -> None:
+        """Close what a block's rows close (tombstones reaching the consumer)."""
+        if self.flush_every:
+            return  # epochs end at sentinels: closures are not needed
+        lane = self.lanes[block.lane]
+        chunks, offsets = block.closed_offsets()
+        _close_grouped(lane, chunks, offsets)
+
+    def delivered_block(self, block: Block, *, outputs: int) -> None:
+        """The rows of ``block`` were received (as ``outputs`` items): close, count, move.
+
+        :meth:`delivered` for a block view, with array operations: no record is built.
+        """
+        if not len(block):
             return
-        for ref in meta.contribution_refs():
-            if ref.is_last_child:
-                lane.close(ref.cursor.chunk_id, ref.cursor.chunk_offset)
+        lane = self.lanes[block.lane]
+        chunk_ids = block.ids[:, ID_CHUNK]
+        k = self.flush_every
+        epochs = chunk_ids // k if k else chunk_ids
+        values, counts = np.unique(epochs, return_counts=True)
+        per_epoch = lane.delivered_in_epoch
+        for epoch, count in zip(values.tolist(), counts.tolist()):
+            per_epoch[epoch] = per_epoch.get(epoch, 0) + count
+        if not k:
+            chunks, offsets = block.closed_offsets()
+            _close_grouped(lane, chunks, offsets)
+        lane.cursor = block.cursor_key(len(block) - 1)
+        lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
+        lane.outputs += outputs
+
+    def replayed_block(self, block: Block) -> None:
+        """Replayed rows the filter dropped: the caller had received them before."""
+        self.delivered_block(block, outputs=0)
 
     def delivered(self, item: Any) -> None:
         """An item the caller received: close its offsets, move the replay cursor."""
+        if type(item) is BlockBatch:
+            self.delivered_block(item.block, outputs=1)
+            return
         records = item.records if isinstance(item, SampleBatch) else (item,)
         if not records:
             return
@@ -329,6 +365,17 @@ class ProgressTracker:
         self.lanes[record.meta.lane_id].delivered(record, count_output=False)
 
 
+def _close_grouped(lane: LaneProgress, chunks: np.ndarray, offsets: np.ndarray) -> None:
+    """Close base offsets, one call per chunk."""
+    if not len(chunks):
+        return
+    order = np.argsort(chunks, kind="stable")
+    chunks, offsets = chunks[order], offsets[order]
+    cut = np.flatnonzero(chunks[1:] != chunks[:-1]) + 1
+    for start, stop in zip([0, *cut.tolist()], [*cut.tolist(), len(chunks)]):
+        lane.close_many(int(chunks[start]), offsets[start:stop].tolist())
+
+
 def _key_to_json(key: tuple) -> list[Any]:
     chunk_id, offset, lineage, sample_id = key
     return [chunk_id, offset, list(lineage), list(sample_id)]
@@ -354,11 +401,47 @@ class ReplayFilterAccumulator(Accumulator):
     dropping means replay diverged.
     """
 
+    takes_blocks = True
+
     def __init__(self, targets: Mapping[int, tuple[tuple, int, int]],
-                 on_drop: Callable[[SampleRecord], None] | None) -> None:
+                 on_drop: Callable[[Any], None] | None) -> None:
         self._targets = {lane: list(t) for lane, t in targets.items()}
         self._dropped = dict.fromkeys(targets, 0)
         self._on_drop = on_drop
+
+    def push_block(self, block: Block) -> list[Block]:
+        """Drop a replaying lane's rows up to and including its cursor; pass the rest."""
+        lane = block.lane
+        target = self._targets.get(lane)
+        if target is None or not len(block):
+            return [block] if len(block) else []
+        cursor, expected, window_end = target
+        hit = _find_key(block, cursor)
+        if hit is None:
+            late = np.flatnonzero(block.ids[:, ID_CHUNK] > window_end)
+            if len(late):
+                self._diverged(lane, f"a record of chunk {int(block.ids[late[0], ID_CHUNK])}, "
+                                     f"past the replayed window (last chunk {window_end}), "
+                                     "arrived first")
+            self._drop_rows(block)
+            return []
+        dropped, rest = block.split_at(hit + 1)
+        late = np.flatnonzero(dropped.ids[:hit, ID_CHUNK] > window_end)
+        if len(late):
+            self._diverged(lane, f"a record of chunk {int(dropped.ids[late[0], ID_CHUNK])}, "
+                                 f"past the replayed window (last chunk {window_end}), "
+                                 "arrived first")
+        self._drop_rows(dropped)
+        del self._targets[lane]
+        if self._dropped[lane] != expected:
+            self._diverged(lane, f"the cursor came after {self._dropped[lane]} "
+                                 f"records instead of {expected}")
+        return [rest] if len(rest) else []
+
+    def _drop_rows(self, block: Block) -> None:
+        self._dropped[block.lane] += len(block)
+        if self._on_drop is not None:
+            self._on_drop(block)
 
     def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
         if not self._targets:
@@ -410,6 +493,18 @@ class ReplayFilterAccumulator(Accumulator):
         return set(self._targets)
 
 
+def _find_key(block: Block, key: tuple) -> int | None:
+    """The row of ``block`` whose cursor key is ``key``, or None."""
+    chunk_id, offset, lineage, sample_id = key
+    ids = block.ids
+    match = ((ids[:, 3] == chunk_id) & (ids[:, 4] == offset) & (ids[:, 0] == sample_id[0])
+             & (ids[:, 1] == sample_id[1]) & (ids[:, 2] == sample_id[2]))
+    for row in np.flatnonzero(match).tolist():
+        if (block.lineage[row] if block.lineage is not None else ()) == tuple(lineage):
+            return row
+    return None
+
+
 class ReplayFilter(Operator):
     """The planner's filter before ``batch``: a passthrough unless resuming."""
 
@@ -424,6 +519,9 @@ class ReplayFilter(Operator):
 
     def process_many(self, elems: Sequence[Any]) -> list[Any]:
         return list(elems)
+
+    def process_block(self, block: Block) -> Block:
+        return block
 
     def traits(self) -> OpTraits:
         return OpTraits(inline=True)

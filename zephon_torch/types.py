@@ -32,6 +32,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Union
 
+# The reserved tags live in the vocabulary module; they are public names here too.
+from zephon_torch.vocab import (
+    CONTRIBUTORS_TAG,
+    FLUSH_SENTINEL_TAG,
+    PACKING_METADATA_TAG,
+    TOMBSTONE_TAG,
+    is_control,
+)
+
 if TYPE_CHECKING:
     from typing import Literal
 
@@ -85,14 +94,6 @@ SamplePayload = Union[  # a recursive alias: Union[...] takes the string forms
     "dict[Any, SamplePayload]",
 ]
 
-#: Tag holding the tuple of :class:`ContributorRef` of a multi-input record.
-CONTRIBUTORS_TAG = "_contributors"
-#: Tag marking a tombstone: a dropped sample that still closes its base offset.
-TOMBSTONE_TAG = "_tombstone"
-#: Tag marking a flush sentinel; its ``chunk_id`` is the epoch boundary.
-FLUSH_SENTINEL_TAG = "_flush_sentinel"
-#: Tag holding ``{"padding_length": int, ...}``, written by ``pack_flat``.
-PACKING_METADATA_TAG = "_packing_metadata"
 
 
 
@@ -328,10 +329,7 @@ class SampleMeta:
     @property
     def is_sentinel(self) -> bool:
         """True if this record is a control signal (tombstone, flush, etc.)."""
-        tags = self.tags
-        return bool(tags) and (
-            bool(tags.get(TOMBSTONE_TAG)) or bool(tags.get(FLUSH_SENTINEL_TAG))
-        )
+        return is_control(self.tags)
 
     @property
     def is_flush_sentinel(self) -> bool:
@@ -478,6 +476,10 @@ class SampleBatch:
         """The ``sample_id`` of every record."""
         return tuple(r.meta.sample_id for r in self.records)
 
+    def _training_rows(self) -> Sequence[Any]:
+        """What ``to_training`` reads: the records (a block view has lighter rows)."""
+        return self.records
+
     @property
     def lineage_paths(self) -> tuple[tuple[int, ...], ...]:
         """The ``lineage`` of every record."""
@@ -570,7 +572,7 @@ class SampleBatch:
         from zephon_torch._training import batch_to_training
 
         return batch_to_training(
-            self.records,
+            self._training_rows(),
             tokens_field=tokens_field,
             return_labels=return_labels,
             dtype=dtype,

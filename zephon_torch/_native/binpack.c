@@ -412,6 +412,21 @@ static int State_init(State *s, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+/* The end of place() and flush(): the state is free again, and the rows that went
+   out become the result (a failed allocation breaks the state for good). */
+static PyObject *finish(State *s, Out *out, int rc) {
+    s->busy = 0;
+    PyObject *result = NULL;
+    if (rc < 0) {
+        s->broken = 1;
+        PyErr_NoMemory();
+    } else {
+        result = out_result(out);
+    }
+    out_free(out);
+    return result;
+}
+
 static PyObject *State_place(State *s, PyObject *arg) {
     static const char *const wanted =
         "place() takes a 1-D C-contiguous array of native int64 lengths "
@@ -464,16 +479,7 @@ static PyObject *State_place(State *s, PyObject *arg) {
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
-    s->busy = 0;
-    PyObject *result = NULL;
-    if (rc < 0) {
-        s->broken = 1;
-        PyErr_NoMemory();
-    } else {
-        result = out_result(&out);
-    }
-    out_free(&out);
-    return result;
+    return finish(s, &out, rc);
 }
 
 static PyObject *State_flush(State *s, PyObject *Py_UNUSED(ignored)) {
@@ -493,16 +499,7 @@ static PyObject *State_flush(State *s, PyObject *Py_UNUSED(ignored)) {
     }
     s->admitted = 0;
     Py_END_ALLOW_THREADS
-    s->busy = 0;
-    PyObject *result = NULL;
-    if (rc < 0) {
-        s->broken = 1;
-        PyErr_NoMemory();
-    } else {
-        result = out_result(&out);
-    }
-    out_free(&out);
-    return result;
+    return finish(s, &out, rc);
 }
 
 static PyObject *State_reset(State *s, PyObject *Py_UNUSED(ignored)) {

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from zephon_torch.block import Block
 from zephon_torch.types import SampleBatch, SampleRecord
 
 __all__ = [
@@ -47,20 +48,28 @@ class Accumulator:
 
     Attributes:
         reads_payload: False (the default) declares that ``push_many`` looks
-            only at metadata, so the process runner may leave payloads as
-            unresolved shared-memory handles. Set it to True when
-            ``push_many`` inspects payloads.
-        takes_handles: With ``reads_payload``, True declares that
-            ``push_many`` copes with those handles itself (it reads what the
-            producing worker recorded about a payload, its ``info``, or
-            loads it), so the runner need not resolve them first.
+            only at metadata; True that it inspects payloads. The runners
+            hand every accumulator real payloads (the process runner copies
+            a worker's results into the main process whole), so the flag is
+            a declaration kept from the operator contract, not a switch.
     """
 
     reads_payload: bool = False
-    takes_handles: bool = False
+    #: True when :meth:`push_block` is implemented: the engine then feeds this
+    #: accumulator blocks (one lane's records as columns) instead of records,
+    #: and the micro-batches it returns (from ``push_block`` and ``flush``)
+    #: are blocks too.
+    takes_blocks: bool = False
 
     def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
         """Consume elements in stream order; return the micro-batches now ready."""
+        raise NotImplementedError
+
+    def push_block(self, block: Block) -> list[Block]:
+        """Consume a block (one lane's rows, in stream order); return the micro-batches ready.
+
+        Only called when :attr:`takes_blocks` is true.
+        """
         raise NotImplementedError
 
     def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
@@ -102,8 +111,13 @@ class Accumulator:
 class PassthroughAccumulator(Accumulator):
     """Emits whatever arrives, at once, as one micro-batch; holds nothing."""
 
+    takes_blocks = True
+
     def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
         return [list(elems)] if elems else []
+
+    def push_block(self, block: Block) -> list[Block]:
+        return [block] if len(block) else []
 
     def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
         return []
@@ -136,6 +150,46 @@ class CountingAccumulator(Accumulator):
         self._buffers: dict[int, list[Any]] = {}
         self._since: dict[int, float] = {}
         self._dropped: list[Any] = []
+        # Block mode: per lane, the blocks held and their total rows.
+        self._blocks: dict[int, list[Block]] = {}
+        self._rows: dict[int, int] = {}
+
+    takes_blocks = True
+
+    def push_block(self, block: Block) -> list[Block]:
+        """Hold the lane's rows; emit micro-batches of exactly ``max_batch`` rows."""
+        n = len(block)
+        if not n:
+            return []
+        lane = block.lane
+        held = self._blocks.get(lane)
+        if held is None:
+            held = self._blocks[lane] = []
+            self._rows[lane] = 0
+            if self.max_latency_ms is not None:
+                self._since[lane] = time.monotonic()
+        size = self.max_batch
+        have = self._rows[lane] + n
+        if have < size:
+            held.append(block)
+            self._rows[lane] = have
+            return []
+        whole = Block.concat([*held, block]) if held else block
+        cut = have - have % size
+        ready = [whole.slice(i, i + size) for i in range(0, cut, size)]
+        if cut < have:
+            self._blocks[lane] = [whole.slice(cut, have)]
+            self._rows[lane] = have - cut
+            if self.max_latency_ms is not None:
+                self._since[lane] = time.monotonic()
+        else:
+            del self._blocks[lane], self._rows[lane]
+        return ready
+
+    def _take_blocks(self, lane: int) -> Block | None:
+        held = self._blocks.pop(lane, None)
+        self._rows.pop(lane, None)
+        return Block.concat(held) if held else None
 
     def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
         if not elems:
@@ -183,31 +237,43 @@ class CountingAccumulator(Accumulator):
             return []
         now = time.monotonic()
         limit = self.max_latency_ms / 1000.0
-        ready = []
+        ready: list[Any] = []
         for lane, buf in self._buffers.items():
             if buf and now - self._since.get(lane, now) >= limit:
                 ready.append(buf)
                 self._buffers[lane] = []
+        for lane in [lane for lane in self._blocks
+                     if now - self._since.get(lane, now) >= limit]:
+            block = self._take_blocks(lane)
+            self._since.pop(lane, None)
+            if block is not None:
+                ready.append(block)
         return ready
 
     def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
-        lanes = sorted(self._buffers) if lane_id is None else [lane_id]
-        out = []
+        lanes = sorted({*self._buffers, *self._blocks}) if lane_id is None else [lane_id]
+        out: list[Any] = []
         for lane in lanes:
-            buf = self._buffers.pop(lane, None)
+            buf: Any = self._buffers.pop(lane, None)
+            block = self._take_blocks(lane)
+            if block is not None:
+                buf = block
             self._since.pop(lane, None)
-            if not buf:
+            if buf is None or not len(buf):
                 continue
             if self.drop_last and lane_id is None:
-                self._dropped.extend(buf)
+                if type(buf) is Block:
+                    self._dropped.append(buf)
+                else:
+                    self._dropped.extend(buf)
             else:
                 out.append(buf)
         return out
 
     def has_pending_data(self, lane_id: int | None = None) -> bool:
         if lane_id is None:
-            return any(self._buffers.values())
-        return bool(self._buffers.get(lane_id))
+            return any(self._buffers.values()) or bool(self._blocks)
+        return bool(self._buffers.get(lane_id)) or lane_id in self._blocks
 
     def take_dropped(self) -> list[Any]:
         dropped, self._dropped = self._dropped, []
@@ -228,6 +294,9 @@ class BatchingAccumulator(CountingAccumulator):
         super().__init__(batch_size, drop_last=drop_last)
 
     def try_epoch_reset(self, boundary_chunk_id: int, lane_id: int) -> bool:
+        held = self._blocks.get(lane_id)
+        if held:
+            return all(int(b.chunk_ids.min()) >= boundary_chunk_id for b in held)
         buf = self._buffers.get(lane_id)
         if not buf:
             return True

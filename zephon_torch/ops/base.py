@@ -29,7 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from zephon_torch.block import Block
 from zephon_torch.types import SampleBatch, SampleRecord
+from zephon_torch.vocab import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG, tombstone_tags
 
 if TYPE_CHECKING:
     from zephon_torch.ops.accumulators import Accumulator
@@ -122,11 +124,6 @@ class Operator:
 
     name: ClassVar[str] = "apply"
     default_microbatch_size: ClassVar[int] = 64
-    #: Whether the payloads reaching ``process_many`` may hold shared-memory
-    #: payload handles nested inside them (a packer's bin plans list their
-    #: documents that way); the process runner then forwards those by
-    #: reference, and the worker sees the real payloads in their place.
-    nested_handles: ClassVar[bool] = False
 
     def setup(self, ctx: OpContext) -> None:
         """Run once per process before any data arrives (load models, open files)."""
@@ -144,6 +141,19 @@ class Operator:
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
         """Transform one micro-batch; must not depend on any earlier call."""
         return list(elems)
+
+    def process_block(self, block: Block) -> Block | list[Element]:
+        """Transform one micro-batch held as a block (one lane's rows, in order).
+
+        Built-in operators override it with array code; the engine uses it
+        when the stage runs in block mode (the accumulator ``takes_blocks``).
+        The default runs :meth:`process_many` on the block's records.
+        """
+        return self.process_many(block.records())
+
+    def has_block_path(self) -> bool:
+        """Whether this operator overrides :meth:`process_block` with a block path."""
+        return type(self).process_block is not Operator.process_block
 
     def process_one(self, elem: Element) -> list[Element]:
         """Transform a single element (by default ``process_many([elem])``)."""
@@ -195,10 +205,6 @@ def check_elements(result: Any, stage: str) -> list[Element]:
     return result
 
 
-#: Tag holding why a record was tombstoned (``"filter"``, ``"empty"``, ...).
-TOMBSTONE_REASON_TAG = "_tombstone_reason"
-#: Tag holding what was wrong with a skipped bad sample (``"malformed JSON (...)"``).
-TOMBSTONE_DETAIL_TAG = "_tombstone_detail"
 
 
 def tombstone(record: SampleRecord, reason: str, detail: str | None = None) -> SampleRecord:
@@ -213,9 +219,4 @@ def tombstone(record: SampleRecord, reason: str, detail: str | None = None) -> S
     the iterator's skip warning.
     """
     meta = record.meta
-    tags = dict(meta.tags)
-    tags["_tombstone"] = True
-    tags[TOMBSTONE_REASON_TAG] = reason
-    if detail is not None:
-        tags[TOMBSTONE_DETAIL_TAG] = detail
-    return SampleRecord(meta._replace(tags=tags), None)
+    return SampleRecord(meta._replace(tags=tombstone_tags(meta.tags, reason, detail)), None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from zephon_torch.block import Block, BlockBatch
 from zephon_torch.ops.accumulators import Accumulator, BatchingAccumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
 from zephon_torch.types import SampleBatch, SampleRecord
@@ -99,6 +100,21 @@ class Batch(Operator):
                     "per lane"
                 )
         return [SampleBatch(elems)]
+
+    def process_block(self, block: Block) -> list[Element]:
+        """Wrap one micro-batch held as a block (one lane's data rows) in a batch view.
+
+        The engine routes tombstone rows around this stage, so the block holds
+        data only; the batch is a :class:`~zephon_torch.block.BlockBatch`, whose
+        records are built only if someone asks for them.
+        """
+        if block.tomb is not None:
+            where = block.cursor_key(int(block.tomb.argmax()))
+            raise ValueError(
+                f"batch received a tombstone at cursor {where} of lane {block.lane}; the "
+                "runner must route tombstones around the batch accumulator"
+            )
+        return [BlockBatch(block)]
 
     def traits(self) -> OpTraits:
         """Batching keeps cursor order and produces :class:`SampleBatch` elements.

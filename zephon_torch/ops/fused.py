@@ -20,7 +20,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
+from zephon_torch.block import Block
+from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, check_elements
 
 __all__ = ["FusedOperator", "parts_of"]
 
@@ -64,6 +65,16 @@ class FusedOperator(Operator):
         for op in self.ops:
             out = op.process_many(out)
         return list(out) if type(out) is not list else out
+
+    def process_block(self, block: Block) -> Block:
+        """Run the block through each part: its block path, or its records once viewed."""
+        for name, op in self.parts:
+            if op.has_block_path():
+                block = op.process_block(block)
+            else:
+                records = check_elements(op.process_many(block.records()), name)
+                block = Block.from_records(records, lane=block.lane)
+        return block
 
     def traits(self) -> OpTraits:
         """Elementwise; order, pointers and fan-out as the parts say."""

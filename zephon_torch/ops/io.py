@@ -46,11 +46,15 @@ from collections.abc import Mapping, Sequence
 from operator import attrgetter, itemgetter
 from typing import Any, ClassVar, Literal
 
+import numpy as np
+
+from zephon_torch.block import ID_DATASET, ID_LOCAL, ID_SHARD, Block, concat_columns
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.sources.base import POINTER, Dataset, is_pointer
 from zephon_torch.sources.readers import DataChangedError
 from zephon_torch.types import SampleRecord
+from zephon_torch.vocab import is_empty_text
 
 __all__ = ["DecodeText", "Fetch"]
 
@@ -151,6 +155,80 @@ class Fetch(Operator):
                 else:
                     out[position] = SampleRecord(out[position].meta, raw)
         return out
+
+    def process_block(self, block: Block) -> Block:
+        """Read a block's pointer rows, one ``Dataset.read`` per run of one shard.
+
+        A dataset that reads columns (Parquet: a token list column becomes one
+        ragged column sliced from Arrow's offsets) gives a block of columns;
+        otherwise the rows hold the raw payloads (JSONL lines as bytes).
+        """
+        payloads = block.payloads
+        if payloads is None or not len(block):
+            return block  # already columns: nothing is a pointer
+        pointer = np.fromiter((p is POINTER for p in payloads), dtype=bool, count=len(block))
+        if not pointer.any():
+            if any(is_pointer(p) for p in payloads):
+                pointer = np.fromiter((is_pointer(p) for p in payloads), dtype=bool,
+                                      count=len(block))
+            else:
+                return block
+        ids = block.ids
+        keys = ids[:, ID_DATASET] * (1 << 32) + ids[:, ID_SHARD]
+        if bool(pointer.all()):
+            columns = self._columns_of_runs(ids, keys)
+            if columns is not None:
+                return block.with_fields(columns)
+        out = list(payloads)
+        failed_rows: list[int] = []
+        details: list[str] = []
+        rows = np.flatnonzero(pointer)
+        cut = np.flatnonzero(keys[rows][1:] != keys[rows][:-1]) + 1
+        for part in np.split(rows, cut):
+            first = int(part[0])
+            raws, failed = self._read(int(ids[first, ID_DATASET]), int(ids[first, ID_SHARD]),
+                                      ids[part, ID_LOCAL].tolist())
+            for row, raw in zip(part.tolist(), raws):
+                if failed and isinstance(raw, _Unreadable):
+                    failed_rows.append(row)
+                    details.append(raw.detail)
+                    out[row] = None
+                else:
+                    out[row] = raw
+        result = block.with_payloads(out)
+        if failed_rows:
+            mask = np.zeros(len(block), dtype=bool)
+            mask[failed_rows] = True
+            per_row: list[str | None] = [None] * len(block)
+            for row, detail in zip(failed_rows, details):
+                per_row[row] = detail
+            result = result.with_tombstones(mask, "read_error", per_row)
+        return result
+
+    def _columns_of_runs(self, ids: np.ndarray, keys: np.ndarray) -> dict[str, Any] | None:
+        """The block's rows as columns, one ``read_columns`` per run of one shard (None if
+        a run's dataset does not read columns, or the runs' columns differ in layout)."""
+        cut = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+        runs = []
+        for start, stop in zip([0, *cut.tolist()], [*cut.tolist(), len(keys)]):
+            columns = self._read_columns(int(ids[start, ID_DATASET]),
+                                         int(ids[start, ID_SHARD]), ids[start:stop, ID_LOCAL])
+            if columns is None or (runs and list(columns) != list(runs[0])):
+                return None
+            runs.append(columns)
+        return concat_columns(runs)
+
+    def _read_columns(self, dataset_id: int, shard_id: int,
+                      local_ids: np.ndarray) -> dict[str, Any] | None:
+        """A shard's rows as columns, when its dataset reads so and nothing fails."""
+        dataset = self._dataset(dataset_id)
+        read_columns = getattr(dataset, "read_columns", None)
+        if read_columns is None:
+            return None
+        try:
+            return read_columns(shard_id, local_ids)
+        except Exception:  # a damaged file: the row path names it, or skips what fails
+            return None
 
     def _read(self, dataset_id: int, shard_id: int,
               local_ids: list[int]) -> tuple[list[Any], bool]:
@@ -284,18 +362,33 @@ class DecodeText(Operator):
         meta = record.meta
         if meta.is_sentinel:
             return record
-        payload = record.payload
+        kind, value = self._outcome(meta.sample_id, record.payload)
+        if kind == "same":
+            return record
+        if kind == "value":
+            return SampleRecord(meta, value)
+        if kind == "empty":
+            return tombstone(record, "empty")
+        return tombstone(record, "decode_error", value)
+
+    def _outcome(self, sample_id: tuple[int, int, int], payload: Any) -> tuple[str, Any]:
+        """What decoding one payload gives: ``("same", None)`` (unchanged),
+        ``("value", payload)``, ``("empty", None)`` or ``("bad", detail)`` (skipped).
+
+        Raises:
+            ValueError: A pointer, or a bad sample that is not to be skipped.
+        """
         if is_pointer(payload):
-            raise ValueError(f"decode_text received the unfetched pointer {meta.sample_id}; "
+            raise ValueError(f"decode_text received the unfetched pointer {sample_id}; "
                              "add .fetch() before .decode_text()")
-        dataset = self._lookup(meta.sample_id[0])
+        dataset = self._lookup(sample_id[0])
         field = self.field
         try:
             if isinstance(payload, dict):
                 text = payload.get(field)
-                if isinstance(text, str) and (not text or text.isspace()):
-                    return tombstone(record, "empty")
-                return record
+                if isinstance(text, str) and is_empty_text(text):
+                    return "empty", None
+                return "same", None
             if isinstance(payload, (bytes, bytearray, memoryview, str)):
                 raw_format = "json" if dataset is None else dataset.raw_format
                 if raw_format == "text":
@@ -308,23 +401,57 @@ class DecodeText(Operator):
                     raise _DecodeError(f"got {type(payload).__name__} from a dataset whose "
                                        f"raw_format is {raw_format!r}")
                 text = value[field]
-                if not text or (isinstance(text, str) and text.isspace()):
-                    return tombstone(record, "empty")
+                if is_empty_text(text):
+                    return "empty", None
                 if raw_format == "text" and isinstance(payload, str) and not text.isascii():
                     # Strict UTF-8 decoding cannot yield a surrogate; a str can.
                     _check_unicode(text, field)
-                return SampleRecord(meta, value)
-            return record  # token arrays and other payloads are already decoded
+                return "value", value
+            return "same", None  # token arrays and other payloads are already decoded
         except _DecodeError as exc:
             if self.on_error == "skip" or (dataset is not None and dataset.on_error == "skip"):
-                return tombstone(record, "decode_error", str(exc)[:300])
-            where = (f"{dataset.locate(meta.sample_id[1], meta.sample_id[2])}"
+                return "bad", str(exc)[:300]
+            where = (f"{dataset.locate(sample_id[1], sample_id[2])}"
                      if dataset is not None else "the input")
-            where += _last_line_hint(dataset, meta.sample_id, payload)
-            raise ValueError(f"decode_text: {exc} at {where} (sample {meta.sample_id}); fix "
+            where += _last_line_hint(dataset, sample_id, payload)
+            raise ValueError(f"decode_text: {exc} at {where} (sample {sample_id}); fix "
                              "the data, or pass on_error='skip' to the source or to "
                              "decode_text() to turn such samples into counted tombstones"
                              ) from exc.__cause__
+
+    def process_block(self, block: Block) -> Block:
+        """:meth:`process_many` for a block: the same decisions, row by row over its payloads."""
+        n = len(block)
+        if block.fields is not None:  # dict payloads held as columns (Parquet rows)
+            texts = block.fields.get(self.field)
+            if not isinstance(texts, list):
+                return block
+            empty = np.fromiter((isinstance(t, str) and is_empty_text(t) for t in texts),
+                                dtype=bool, count=n)
+            return block.with_tombstones(empty, "empty") if empty.any() else block
+        payloads = block.payloads
+        dead = block.tomb.tolist() if block.tomb is not None else None
+        sample_ids = block.ids[:, :3].tolist()
+        out = list(payloads)  # type: ignore[arg-type]
+        reasons: list[str | None] = [None] * n
+        details: list[str | None] = [None] * n
+        changed = False
+        for i, payload in enumerate(payloads):  # type: ignore[arg-type]
+            if dead is not None and dead[i]:
+                continue
+            kind, value = self._outcome(tuple(sample_ids[i]), payload)
+            if kind == "value":
+                out[i] = value
+                changed = True
+            elif kind == "empty":
+                reasons[i] = "empty"
+            elif kind == "bad":
+                reasons[i], details[i] = "decode_error", value
+        result = block.with_payloads(out) if changed else block
+        mask = np.fromiter((r is not None for r in reasons), dtype=bool, count=n)
+        if mask.any():
+            result = result.with_tombstones(mask, reasons, details)
+        return result
 
     def _parse_json(self, payload: bytes | bytearray | memoryview | str) -> dict[str, Any]:
         value = _loads(_as_text(payload))

@@ -73,9 +73,11 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from zephon_torch.block import Block
 from zephon_torch.ops.accumulators import Accumulator, lane_of
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
 from zephon_torch.types import SampleRecord
+from zephon_torch.vocab import AUTO_TOKEN_FIELDS
 
 __all__ = ["WEIGHT_MODES", "EnsureMixture", "MixtureAccumulator", "WeightBy"]
 
@@ -85,7 +87,7 @@ WEIGHT_MODES = ("auto", "samples", "tokens")
 WeightBy = str | Callable[[SampleRecord], float]
 
 # The token fields to_training recognises, in its order.
-_TOKEN_FIELDS = ("input_ids", "tokens", "token_ids", "ids")
+_TOKEN_FIELDS = AUTO_TOKEN_FIELDS
 
 
 class _Lane:
@@ -104,6 +106,53 @@ class _Lane:
         self.buffered = 0
         # Targeted components with nothing buffered; 0 means a real choice.
         self.missing = len(order)
+
+
+class _Row:
+    """A row of a block as the mixture's decisions read it: its meta and payload.
+
+    The decisions (:meth:`MixtureAccumulator._classify`) are the record path's;
+    they read ``meta.component_sample_counts``, ``component_token_counts``
+    and, for token weights, the payload, which this view builds only when read.
+    """
+
+    __slots__ = ("block", "owner", "row")
+
+    def __init__(self, block: Block, owner: int, row: int) -> None:
+        self.block = block
+        self.owner = owner
+        self.row = row
+
+    @property
+    def meta(self) -> _Row:
+        return self
+
+    @property
+    def component_sample_counts(self) -> dict[int, int]:
+        return self.block._counts_list()[self.row]
+
+    @property
+    def component_token_counts(self) -> dict[int, int] | None:
+        tokens = self.block.token_counts
+        return None if tokens is None else tokens[self.row]
+
+    @property
+    def payload(self) -> Any:
+        return self.block.payload(self.row)
+
+    @property
+    def lane_id(self) -> int:
+        return self.block.lane
+
+    def as_cursor_key(self) -> tuple[Any, ...]:
+        return self.block.cursor_key(self.row)
+
+    def record(self) -> SampleRecord:
+        return self.block.record(self.row)
+
+
+# Blocks a lane's buffers may refer to before their rows are copied out of them.
+_POOL_LIMIT = 32
 
 
 class MixtureAccumulator(Accumulator):
@@ -137,6 +186,38 @@ class MixtureAccumulator(Accumulator):
             self._order = sorted(self._weights)
             self._total = sum(self._weights.values())
         self._lanes: dict[int, _Lane] = {}
+        self._pools: dict[int, list[Block]] = {}
+
+    takes_blocks = True
+
+    def push_block(self, block: Block) -> list[Block]:
+        """:meth:`push_many` for a block: the same decisions, over views of its rows."""
+        lane = block.lane
+        pool = self._pools.setdefault(lane, [])
+        owner = len(pool)
+        pool.append(block)
+        out = self.push_many([_Row(block, owner, i) for i in range(len(block))])
+        emitted = [row for batch in out for row in batch]
+        result = [self._gather(lane, emitted)] if emitted else []
+        if len(pool) > _POOL_LIMIT:
+            self._compact(lane)
+        return result
+
+    def _gather(self, lane: int, rows: list[_Row]) -> Block:
+        return Block.gather(self._pools[lane], [r.owner for r in rows], [r.row for r in rows])
+
+    def _compact(self, lane: int) -> None:
+        """Copy the rows still buffered out of the blocks they came in, into one block."""
+        st = self._lanes.get(lane)
+        held = [entry for queue in st.queues.values() for entry in queue] if st else []
+        if not held:
+            self._pools[lane] = []
+            return
+        block = self._gather(lane, [entry[0] for entry in held])
+        for i, entry in enumerate(held):
+            row = entry[0]
+            row.block, row.owner, row.row = block, 0, i
+        self._pools[lane] = [block]
 
     # ------------------------------------------------------------------ interface
 
@@ -166,17 +247,20 @@ class MixtureAccumulator(Accumulator):
                 emitted.append(self._emit_one(st))
         return [batch for batch in out.values() if batch]
 
-    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
+    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[Any]:
         lanes = sorted(self._lanes) if lane_id is None else [lane_id]
-        out = []
+        out: list[Any] = []
         for lane in lanes:
             # Dropping the state is the reset: the lane starts over fresh.
             st = self._lanes.pop(lane, None)
             if st is None:
                 continue
             batch = [self._emit_one(st) for _ in range(st.buffered)]
-            if batch:
+            if batch and type(batch[0]) is _Row:
+                out.append(self._gather(lane, batch))
+            elif batch:
                 out.append(batch)
+            self._pools.pop(lane, None)
         return out
 
     def has_pending_data(self, lane_id: int | None = None) -> bool:
@@ -237,7 +321,7 @@ class MixtureAccumulator(Accumulator):
                     "tokenize before ensure_mixture or weigh by 'samples'"
                 )
         elif callable(mode):
-            total = mode(rec)
+            total = mode(rec.record() if type(rec) is _Row else rec)  # the user sees records
             if (not isinstance(total, numbers.Real) or isinstance(total, bool)
                     or not math.isfinite(total) or total < 0):
                 raise ValueError(
@@ -324,6 +408,10 @@ class EnsureMixture(Operator):
             weight_by = "tokens" if ctx.plan["has_tokens"] else "samples"
         return MixtureAccumulator(targets, weight_by=weight_by,
                                   max_buffer_size=self.max_buffer_size)
+
+    def process_block(self, block: Block) -> Block:
+        """All the work is in the accumulator: the rows pass as they are."""
+        return block
 
     def traits(self) -> OpTraits:
         """Mixture correction reorders, so plans with it use flush sentinels.

@@ -82,25 +82,16 @@ component.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 
-from zephon_torch._training import AUTO_TOKEN_FIELDS
+from zephon_torch.block import Block, Contributors, Ragged, RowView
 from zephon_torch.ops._binpack import BinPlacer, Placement
 from zephon_torch.ops.accumulators import Accumulator
-from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
-from zephon_torch.runners.shm import LazyPayload
-from zephon_torch.types import (
-    CONTRIBUTORS_TAG,
-    FLUSH_SENTINEL_TAG,
-    PACKING_METADATA_TAG,
-    TOMBSTONE_TAG,
-    ContributorRef,
-    SampleCursor,
-    SampleMeta,
-    SampleRecord,
-)
+from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
+from zephon_torch.types import SampleRecord
+from zephon_torch.vocab import AUTO_TOKEN_FIELDS, LOSS_MASK_FIELD, find_token_field
 
 __all__ = [
     "ALGORITHMS",
@@ -126,7 +117,7 @@ OVERSIZED_MODES = ("split", "drop", "truncate")
 PLAN_KEY = "_pack_plan"
 
 # Per-token payload fields cut together with the tokens when a document is split.
-_MASK_FIELD = "loss_mask"
+_MASK_FIELD = LOSS_MASK_FIELD
 _INT32 = np.iinfo(np.int32)
 
 
@@ -172,28 +163,8 @@ def _check_common(max_length: Any, num_bins: Any, algorithm: Any, tokens_field: 
 # --------------------------------------------------------------------------- token access
 
 
-def _token_field(payload: Any, tokens_field: str) -> str | None:
-    """The dict key holding the tokens, or None when the payload is the array itself."""
-    if not isinstance(payload, dict):
-        return None
-    if tokens_field != "auto":
-        if tokens_field not in payload:
-            raise ValueError(
-                f"payload has no token field {tokens_field!r} (its fields: {sorted(payload)}); "
-                "set tokens_field= to the field holding the token ids"
-            )
-        return tokens_field
-    for name in AUTO_TOKEN_FIELDS:
-        if name in payload:
-            return name
-    raise ValueError(
-        f"cannot detect the token field: the payload fields are {sorted(payload)}, none of "
-        f"{list(AUTO_TOKEN_FIELDS)}; tokenize first or pass tokens_field= explicitly"
-    )
-
-
 def _tokens(payload: Any, tokens_field: str) -> Any:
-    field = _token_field(payload, tokens_field)
+    field = find_token_field(payload, tokens_field)
     return payload if field is None else payload[field]
 
 
@@ -225,42 +196,7 @@ def _checked_length(record: SampleRecord, tokens_field: str) -> int:
     return length
 
 
-def _described_length(info: dict[str, int] | None, tokens_field: str) -> int | None:
-    """The token count of a payload known only by its :func:`~zephon_torch.runners.shm.describe`
-    (field -> length of a 1-D integer array, -1 for anything else), when that is
-    enough to know it passes :func:`_checked_length`; else None (read the payload)."""
-    if info is None:
-        return None
-    if tokens_field == "auto":
-        tokens_field = next((name for name in AUTO_TOKEN_FIELDS if name in info), "")
-    length = info.get(tokens_field, -1)
-    if length < 0 or info.get(_MASK_FIELD, length) != length:
-        return None
-    return length
-
-
-# --------------------------------------------------------------------------- bins
-
-
-class _Piece(NamedTuple):
-    """A contiguous run ``[start, stop)`` of one document's tokens, placed in one bin."""
-
-    payload: Any
-    start: int
-    stop: int
-    meta: SampleMeta  # the document's meta, or its child(i) when it is split
-    doc: SampleMeta  # the document's own meta
-    last: bool  # this piece ends the document, so it closes it
-    truncated: int  # tokens discarded from the document (oversized="truncate")
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-
-# Builds a _Piece from a tuple of its fields without the generated __new__'s
-# argument parsing: pieces are made once per document on the packer's hot path.
-_new_piece = tuple.__new__
+# --------------------------------------------------------------------------- documents
 
 
 def _add_tokens(totals: dict[int, int], counts: Mapping[int, int], size: int) -> None:
@@ -285,75 +221,91 @@ def _add_tokens(totals: dict[int, int], counts: Mapping[int, int], size: int) ->
         totals[comp] = totals.get(comp, 0) + share
 
 
-def _packed_meta(pieces: Sequence[_Piece], info: dict[str, int]) -> SampleMeta:
-    """The meta of a packed record: its first piece's meta made a child, plus accounting.
+class _Segment:
+    """Documents of one lane that arrived in one block: what their open bins need.
 
-    A piece that ends a document closes it, unless the document already lists
-    contributors (it was packed upstream): then it closes what they close. An
-    earlier piece of a split document is listed without closing anything. The
-    token split of :func:`_add_tokens` is written out for the common document
-    of one component, since this runs once per piece.
+    ``rows`` are the documents' rows in ``block``; document ``base + k`` (the
+    placer's sequence number) is row ``rows[k]``, of ``sizes[k]`` tokens of
+    which ``keeps[k]`` are packed (fewer under ``oversized="truncate"``).
     """
-    refs: list[ContributorRef] = []
-    samples: dict[int, int] = {}
-    tokens: dict[int, int] = {}
-    for piece in pieces:
-        doc, meta = piece.doc, piece.meta
-        counts = doc.component_sample_counts
-        cursor = SampleCursor(meta.chunk_id, meta.chunk_offset, meta.sample_id, meta.lineage)
-        if piece.last:
-            # A document that already lists contributors (packed upstream)
-            # closes what they close; otherwise its last piece closes itself.
-            upstream = doc.tags.get(CONTRIBUTORS_TAG) if doc.tags else None
-            if upstream:
-                refs.extend(upstream)
-            else:
-                refs.append(ContributorRef(cursor, True))
-            for comp, count in counts.items():
-                samples[comp] = samples.get(comp, 0) + count
-        else:
-            refs.append(ContributorRef(cursor, False))
-        if len(counts) == 1:
-            for comp in counts:
-                tokens[comp] = tokens.get(comp, 0) + piece.stop - piece.start
-        else:
-            _add_tokens(tokens, counts, piece.stop - piece.start)
-    first = pieces[0].meta
-    # Fresh tags: a row holding many documents should not inherit one document's tags.
-    tags = {CONTRIBUTORS_TAG: tuple(refs), PACKING_METADATA_TAG: info}
-    return SampleMeta(first.sample_id, first.lane_id, first.chunk_id, first.chunk_offset,
-                      samples, tokens, (*first.lineage, 0), tags)
 
+    __slots__ = ("base", "block", "done", "field", "keeps", "remaining", "rows", "sizes",
+                 "tokens")
 
-# --------------------------------------------------------------------------- accumulators
+    def __init__(self, base: int, block: Block, rows: np.ndarray, sizes: np.ndarray,
+                 keeps: np.ndarray, field: str | None) -> None:
+        self.base = base
+        self.block = block
+        self.rows = rows
+        self.sizes = sizes
+        self.keeps = keeps
+        # The block's token column when it is a ragged id column (the fast path).
+        self.field = field
+        self.tokens: Ragged | None = None if field is None else block.fields[field]
+        self.done = np.zeros(len(rows), dtype=bool)
+        self.remaining = len(rows)
+
+    def compact(self) -> None:
+        """Keep only the block rows of documents still open (so one straggler in an
+        open bin does not hold its whole arrival block)."""
+        keep = np.flatnonzero(~self.done)
+        wanted = self.rows[keep]
+        block = self.block.take(wanted)
+        rows = np.full(len(self.rows), -1, dtype=np.int64)
+        rows[keep] = np.arange(len(keep), dtype=np.int64)
+        self.block, self.rows = block, rows
+        if self.field is not None:
+            self.tokens = block.fields[self.field]
 
 
 class _Lane:
     """One lane's placement state and the documents that its open bins (or window) hold."""
 
-    __slots__ = ("docs", "placer")
+    __slots__ = ("placer", "segments")
 
     def __init__(self, placer: BinPlacer) -> None:
         self.placer = placer
-        # sequence number (the placer's) -> (record, token count, tokens kept)
-        self.docs: dict[int, tuple[SampleRecord, int, int]] = {}
+        self.segments: list[_Segment] = []
+
+    def locate(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Segment index and position within it of documents ``docs``."""
+        bases = np.array([seg.base for seg in self.segments], dtype=np.int64)
+        where = np.searchsorted(bases, docs, side="right") - 1
+        return where, docs - bases[where]
+
+    def forget(self) -> None:
+        """Drop the segments whose documents have all gone out; compact stragglers."""
+        live = [seg for seg in self.segments if seg.remaining]
+        for seg in live[:-1]:  # the newest segment is still filling bins: leave it
+            if seg.remaining * 4 < len(seg.rows) and len(seg.block) > seg.remaining:
+                seg.compact()
+        self.segments = live
+
+    def held(self) -> int:
+        return sum(seg.remaining for seg in self.segments)
+
+
+# --------------------------------------------------------------------------- accumulators
 
 
 class PackingAccumulator(Accumulator):
     """The bin engine shared by both packers: per-lane bins, decided in stream order.
 
-    ``push_many`` returns micro-batches (one lane each, at most
-    ``microbatch_size`` elements) of bin plans and pass-through tombstones, in
-    the order they became ready; nothing ready is held back, so
-    ``has_pending_data(lane)`` is true exactly when the lane has open bins (or,
-    for ``best_fit_decreasing``, a partial window). Control records reaching
-    ``push_many`` (tombstones, or a flush sentinel should a runner forward one)
-    pass through in place without touching any bin; flushing is the runner's
-    call to :meth:`flush`.
+    In block mode (what the engine uses) :meth:`push_block` takes one lane's
+    documents as a block and returns the rows that went out as one block of
+    assembled rows (flat token rows for ``pack_flat``, segment lists for
+    ``pack_sequences``), plus a block of tombstones for documents it drops
+    (empty, or oversized with ``oversized="drop"``). Placement is one call of
+    :class:`~zephon_torch.ops._binpack.BinPlacer` over the block's array of
+    token counts; rows are assembled by gathers from the documents' ragged
+    token column, with positions and padding from offsets and the
+    contributors as a table. Nothing ready is held back, so
+    ``has_pending_data(lane)`` is true exactly when the lane has open bins
+    (or, for ``best_fit_decreasing``, a partial window).
 
-    The decisions are made by :class:`~zephon_torch.ops._binpack.BinPlacer`,
-    one per lane: each ``push_many`` hands a lane's documents to it as one
-    array of token counts, and turns the rows that went out into bin plans.
+    :meth:`push_many` is the same engine for records (tools, tests and the
+    seed's accumulator contract): it returns micro-batches of assembled
+    rows, tombstones passing through in place.
 
     Args:
         max_length: Tokens per row.
@@ -362,23 +314,22 @@ class PackingAccumulator(Accumulator):
         min_sequence_length: A bin whose room drops below this goes out.
         oversized: ``"split"``, ``"drop"`` or ``"truncate"``.
         tokens_field: Payload field holding the tokens, or ``"auto"``.
-        microbatch_size: Most elements per emitted micro-batch.
+        microbatch_size: Most elements per micro-batch :meth:`push_many` returns.
         bfd_window: Documents per ``best_fit_decreasing`` window (default
             :data:`DEFAULT_BFD_WINDOW`); only for that algorithm.
+        pad_token_id: Token id of the trailing padding (flat rows).
+        emit_positions: Emit per-segment ``positions`` (flat rows).
     """
 
     reads_payload = True  # placement needs each document's token count
-    # Under the process runner a tokenized document may still be a handle to
-    # the worker's shared memory: the worker recorded its fields' lengths
-    # (LazyPayload.info), which is all placement needs, and the bin plan lists
-    # the handle, so the document's tokens go from the worker that made them
-    # to the worker that assembles the row without this process reading them.
-    takes_handles = True
+    takes_blocks = True
+    flat = False
 
     def __init__(self, max_length: int, *, num_bins: int = 8, algorithm: str = "first_fit",
                  min_sequence_length: int = 1, oversized: str = "split",
                  tokens_field: str = "auto", microbatch_size: int = 64,
-                 bfd_window: int | None = None) -> None:
+                 bfd_window: int | None = None, pad_token_id: int = 0,
+                 emit_positions: bool = True) -> None:
         _check_common(max_length, num_bins, algorithm, tokens_field, min_sequence_length,
                       oversized, bfd_window)
         _check_int("microbatch_size", microbatch_size, 1, None, "pass a positive size")
@@ -390,86 +341,110 @@ class PackingAccumulator(Accumulator):
         self.tokens_field = tokens_field
         self.microbatch_size = int(microbatch_size)
         self.bfd_window = DEFAULT_BFD_WINDOW if bfd_window is None else int(bfd_window)
+        self.pad_token_id = int(pad_token_id)
+        self.emit_positions = bool(emit_positions)
         self._lanes: dict[int, _Lane] = {}
 
-    # ------------------------------------------------------------------ contract
+    # ------------------------------------------------------------------ blocks
 
-    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
-        # What goes out at each position of the input: the element itself (a
-        # control record, or a document turned into a tombstone), or the rows
-        # that the document placed there sent out. Rows are known only once
-        # each lane's documents have been placed (one call per lane), so they
-        # are slotted in by the document that sent them out.
-        out: list[Any] = [None] * len(elems)
-        # lane -> (positions, (record, token count, tokens kept), tokens kept)
-        runs: dict[int, tuple[list[int], list[tuple[SampleRecord, int, int]], list[int]]] = {}
-        field = AUTO_TOKEN_FIELDS[0] if self.tokens_field == "auto" else self.tokens_field
+    def push_block(self, block: Block) -> list[Block]:
+        """Place one lane's documents; return the rows that went out (and any tombstones)."""
+        n = len(block)
+        if not n:
+            return []
+        field = self._token_column(block)
+        if field is not None:
+            sizes = block.fields[field].lengths()
+        else:
+            sizes = np.array([self._measure(block, i) for i in range(n)], dtype=np.int64)
         limit = self.max_length
-        drop, truncate = self.oversized == "drop", self.oversized == "truncate"
-        for position, elem in enumerate(elems):
-            # The common document (a dict whose token field is a 1-D integer
-            # array, no loss mask, or a handle described so) is measured here
-            # without the general path's checks; both give the same length.
-            payload = elem.payload if type(elem) is SampleRecord else None
-            kind = type(payload)
-            size = 0
-            if kind is dict:
-                tokens = payload.get(field)
-                if (type(tokens) is np.ndarray and tokens.ndim == 1
-                        and tokens.dtype.kind in "iu" and _MASK_FIELD not in payload):
-                    size = tokens.shape[0]
-            elif kind is LazyPayload:
-                info = payload.info  # the worker's describe(): -1 for a non-id-array field
-                if info is not None and _MASK_FIELD not in info:
-                    size = info.get(field, 0)
-            meta = elem.meta if size > 0 else None
-            if meta is None or ((tags := meta.tags)
-                                and (tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_SENTINEL_TAG))):
-                elem, size = self._measure(elem)
-                if not size:  # passes on as it is (a control record, an empty document)
-                    out[position] = elem
-                    continue
-                meta = elem.meta
-            keep = size
-            if size > limit:
-                if drop:
-                    out[position] = tombstone(elem, "oversized")
-                    continue
-                if truncate:
-                    keep = limit
-            run = runs.get(meta.lane_id)
-            if run is None:
-                run = runs[meta.lane_id] = ([], [], [])
-            run[0].append(position)
-            run[1].append((elem, size, keep))
-            run[2].append(keep)
-        for lane_id, run in runs.items():
-            self._place_run(lane_id, run, out)
-        ready: list[Any] = []
-        for item in out:
-            if type(item) is list:
-                ready.extend(item)
-            elif item is not None:
-                ready.append(item)
-        return self._group(ready)
+        dropped = np.zeros(n, dtype=bool)
+        reasons: list[str | None] = [None] * n
+        empty = sizes == 0
+        if empty.any():
+            dropped |= empty
+            for i in np.flatnonzero(empty).tolist():
+                reasons[i] = "empty"
+        keeps = sizes
+        if (sizes > limit).any():
+            if self.oversized == "drop":
+                over = sizes > limit
+                dropped |= over
+                for i in np.flatnonzero(over).tolist():
+                    reasons[i] = "oversized"
+            elif self.oversized == "truncate":
+                keeps = np.minimum(sizes, limit)
+        rows: Block | None = None
+        row_positions = np.zeros(0, dtype=np.int64)
+        placed = np.flatnonzero(~dropped)
+        if len(placed):
+            state = self._lanes.get(block.lane)
+            if state is None:
+                state = self._lanes[block.lane] = _Lane(self._placer())
+            base = state.placer.admitted
+            state.segments.append(_Segment(base, block, placed, sizes[placed], keeps[placed],
+                                           field))
+            placement = state.placer.place(np.ascontiguousarray(keeps[placed],
+                                                                 dtype=np.int64))
+            if placement.rows:
+                rows = self._rows(block.lane, state, placement)
+                # A row goes out where the document whose placement sent it out was.
+                row_positions = placed[placement.row_after - base]
+            state.forget()
+        if not dropped.any():
+            return [] if rows is None else [rows]
+        tombs = np.flatnonzero(dropped)
+        dead = block.take(tombs).with_tombstones(np.ones(len(tombs), dtype=bool),
+                                                 [reasons[i] for i in tombs.tolist()])
+        if rows is None:
+            return [dead]
+        return _interleave(rows, row_positions, dead, tombs)
 
-    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
+    def _token_column(self, block: Block) -> str | None:
+        """The name of the block's token column when the fast path applies: a ragged
+        column of integer ids that int32 rows can hold, and no loss mask."""
+        fields = block.fields
+        if fields is None or _MASK_FIELD in fields:
+            return None
+        if self.tokens_field == "auto":  # the first present, as the record path takes
+            name = next((f for f in AUTO_TOKEN_FIELDS if f in fields), None)
+        else:
+            name = self.tokens_field if self.tokens_field in fields else None
+        column = fields.get(name) if name is not None else None
+        if (isinstance(column, Ragged) and column.values.dtype.kind in "iu"
+                and np.can_cast(column.values.dtype, np.int32, "same_kind")):
+            return name
+        return None
+
+    def _measure(self, block: Block, row: int) -> int:
+        """The general path for one document: its token count, checked."""
+        payload = block.payload(row)
+        ids = block.ids[row].tolist()
+        return _checked_length(RowView((ids[0], ids[1], ids[2]), payload), self.tokens_field)
+
+    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[Any]:
         # Flushing a placer emits every open bin and leaves it fresh: bins (or
         # the window) are the only per-lane state.
         lanes = sorted(self._lanes) if lane_id is None else [lane_id]
-        ready: list[SampleRecord] = []
+        out: list[Block] = []
         for lane in lanes:
             state = self._lanes.get(lane)
             if state is None:
                 continue
-            ready.extend(self._rows(state.placer.flush(), state.docs))
-            if state.docs:
+            placement = state.placer.flush()
+            if placement.rows:
+                out.append(self._rows(lane, state, placement))
+            state.forget()
+            if state.held():
                 raise RuntimeError(
-                    f"packing: lane {lane} still holds {len(state.docs)} documents after its "
+                    f"packing: lane {lane} still holds {state.held()} documents after its "
                     "open bins were flushed, so they would be lost; this is a bug in "
                     "zephon_torch, please report it"
                 )
-        return self._group(ready)
+            del self._lanes[lane]
+        if self._record_mode:
+            return self._group([r for b in out for r in b.records()])
+        return out
 
     def has_pending_data(self, lane_id: int | None = None) -> bool:
         if lane_id is None:
@@ -477,94 +452,257 @@ class PackingAccumulator(Accumulator):
         state = self._lanes.get(lane_id)
         return state is not None and state.placer.pending
 
-    # ------------------------------------------------------------------ placement
-
-    def _measure(self, elem: Any) -> tuple[Any, int]:
-        """The general path: ``(element, token count)``, checked; a count of 0 means the
-        element passes on as it is (a control record, or the tombstone of an empty one)."""
-        if not isinstance(elem, SampleRecord):
-            raise TypeError(
-                f"packing takes SampleRecord elements, got {type(elem).__name__}; "
-                "place pack_flat/pack_sequences before batch()"
-            )
-        if elem.meta.is_sentinel:  # tombstones (and stray sentinels) go straight on
-            return elem, 0
-        length = None
-        if type(elem.payload) is LazyPayload:
-            length = _described_length(elem.payload.info, self.tokens_field)
-            if length is None:  # not enough known about it: read it
-                elem = SampleRecord(elem.meta, elem.payload.load())
-        if length is None:
-            length = _checked_length(elem, self.tokens_field)
-        if length == 0:
-            return tombstone(elem, "empty"), 0
-        return elem, length
-
     def _placer(self) -> BinPlacer:
         return BinPlacer(self.max_length, algorithm=self.algorithm, num_bins=self.num_bins,
                          min_sequence_length=self.min_sequence_length, window=self.bfd_window)
 
-    def _place_run(self, lane_id: int,
-                   run: tuple[list[int], list[tuple[SampleRecord, int, int]], list[int]],
-                   out: list[Any]) -> None:
-        """Place one lane's documents of this push in one call; slot the rows into ``out``."""
-        state = self._lanes.get(lane_id)
-        if state is None:
-            state = self._lanes[lane_id] = _Lane(self._placer())
-        positions, entries, keeps = run
-        base, docs = state.placer.admitted, state.docs
-        docs.update(zip(range(base, base + len(entries)), entries))
-        placement = state.placer.place(np.array(keeps, dtype=np.int64))
-        if not placement.rows:
-            return
-        rows = self._rows(placement, docs)
-        for after, row in zip(placement.row_after.tolist(), rows):
-            position = positions[after - base]
-            slot = out[position]
-            if slot is None:
-                out[position] = [row]
+    # ------------------------------------------------------------------ rows
+
+    def _rows(self, lane: int, state: _Lane, placement: Placement) -> Block:
+        """The block of the rows that went out; marks the documents they end as done."""
+        pieces = placement.pieces
+        docs, starts, stops, childs = pieces[:, 0], pieces[:, 1], pieces[:, 2], pieces[:, 3]
+        segs, local = state.locate(docs)
+        segments = state.segments
+        count = len(docs)
+        src_rows = np.empty(count, dtype=np.int64)
+        sizes = np.empty(count, dtype=np.int64)
+        keeps = np.empty(count, dtype=np.int64)
+        doc_ids = np.empty((count, 5), dtype=np.int64)
+        for s in np.unique(segs).tolist():
+            sel = segs == s
+            seg = segments[s]
+            at = local[sel]
+            src_rows[sel] = seg.rows[at]
+            sizes[sel] = seg.sizes[at]
+            keeps[sel] = seg.keeps[at]
+            doc_ids[sel] = seg.block.ids[seg.rows[at]]
+        last = stops == keeps
+        whole = last & (starts == 0)
+        row_offsets = placement.row_offsets
+        used = placement.row_used
+        num_rows = len(used)
+        firsts = row_offsets[:-1]
+        per_row = np.diff(row_offsets)
+        row_of = np.repeat(np.arange(num_rows, dtype=np.int64), per_row)
+        truncated = np.where(last, sizes - keeps, 0)
+
+        # Lineage of each piece: the document's, plus the child index when it is cut.
+        doc_lineage = self._doc_lineage(segments, segs, local)
+        if doc_lineage is None and bool(whole.all()):
+            piece_lineage: list[tuple[int, ...]] | None = None
+        else:
+            base = doc_lineage if doc_lineage is not None else [()] * count
+            piece_lineage = [lin if w else (*lin, c) for lin, w, c in
+                             zip(base, whole.tolist(), childs.tolist())]
+        row_lineage = [(0,)] * num_rows if piece_lineage is None else \
+            [(*piece_lineage[f], 0) for f in firsts.tolist()]
+
+        contributors = self._contributors(segments, segs, local, doc_ids, piece_lineage, last,
+                                          row_of, num_rows)
+        counts, token_counts = self._counts(segments, segs, local, last, stops - starts, row_of,
+                                            used, num_rows)
+        truncated_rows = np.bincount(row_of, weights=truncated, minlength=num_rows)
+        packing = self._infos(per_row.tolist(), used.tolist(),
+                              truncated_rows.astype(np.int64).tolist())
+        payload = self._assemble_rows(segments, segs, src_rows, starts, stops, row_of, used,
+                                      num_rows, firsts)
+        # Documents whose last piece went out are no longer held.
+        for s in np.unique(segs[last]).tolist():
+            seg = segments[s]
+            at = local[last & (segs == s)]
+            seg.done[at] = True
+            seg.remaining = int(len(seg.rows) - seg.done.sum())
+        ids = doc_ids[firsts]
+        return Block(lane, ids, lineage=row_lineage, counts=counts, token_counts=token_counts,
+                     contributors=contributors, packing=packing, **payload)
+
+    @staticmethod
+    def _doc_lineage(segments: list[_Segment], segs: np.ndarray,
+                     local: np.ndarray) -> list[tuple[int, ...]] | None:
+        if all(seg.block.lineage is None for seg in segments):
+            return None
+        out = []
+        for s, k in zip(segs.tolist(), local.tolist()):
+            seg = segments[s]
+            lineage = seg.block.lineage
+            out.append(lineage[seg.rows[k]] if lineage is not None else ())
+        return out
+
+    @staticmethod
+    def _contributors(segments: list[_Segment], segs: np.ndarray, local: np.ndarray,
+                      doc_ids: np.ndarray, piece_lineage: list[tuple[int, ...]] | None,
+                      last: np.ndarray, row_of: np.ndarray, num_rows: int) -> Contributors:
+        """One entry per piece, in row order; a document packed upstream (it lists
+        contributors) closes, with its last piece, what its own contributors close."""
+        upstream = any(seg.block.contributors is not None for seg in segments)
+        if not upstream:
+            offsets = np.zeros(num_rows + 1, dtype=np.int64)
+            np.cumsum(np.bincount(row_of, minlength=num_rows), out=offsets[1:])
+            return Contributors(offsets, doc_ids.copy(), piece_lineage, last.copy())
+        ids: list[np.ndarray] = []
+        lineage: list[tuple[int, ...]] = []
+        flags: list[np.ndarray] = []
+        lengths = np.zeros(num_rows, dtype=np.int64)
+        for p, (s, k) in enumerate(zip(segs.tolist(), local.tolist())):
+            seg = segments[s]
+            row = int(seg.rows[k])
+            table = seg.block.contributors
+            own = None if table is None else table.slice(row, row + 1)
+            if last[p] and own is not None and len(own.last):
+                ids.append(own.ids)
+                lineage.extend(own.lineage if own.lineage is not None else [()] * len(own.last))
+                flags.append(own.last)
+                lengths[row_of[p]] += len(own.last)
             else:
-                slot.append(row)
+                ids.append(doc_ids[p:p + 1])
+                lineage.append(piece_lineage[p] if piece_lineage is not None else ())
+                flags.append(last[p:p + 1])
+                lengths[row_of[p]] += 1
+        offsets = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return Contributors(offsets, np.concatenate(ids), lineage if any(lineage) else None,
+                            np.concatenate(flags))
 
-    def _rows(self, placement: Placement, docs: dict[int, tuple[SampleRecord, int, int]],
-              ) -> list[SampleRecord]:
-        """The bin plan records of the rows that went out; forgets the documents they end."""
-        if not placement.rows:
-            return []
-        flat = iter(placement.pieces.ravel().tolist())
-        quads = list(zip(flat, flat, flat, flat))
-        offsets = placement.row_offsets.tolist()
-        done = []
-        records = []
-        for row, used in enumerate(placement.row_used.tolist()):
-            pieces = []
-            for doc, start, stop, child in quads[offsets[row]:offsets[row + 1]]:
-                record, size, keep = docs[doc]
-                meta = record.meta
-                if stop == keep:  # the piece that ends the document closes it
-                    done.append(doc)
-                    piece = (record.payload, start, stop, meta if start == 0 else meta.child(child),
-                             meta, True, size - keep)
-                else:
-                    piece = (record.payload, start, stop, meta.child(child), meta, False, 0)
-                pieces.append(_new_piece(_Piece, piece))
-            records.append(self._close_pieces(pieces, used))
-        for doc in done:
-            del docs[doc]
-        return records
+    @staticmethod
+    def _counts(segments: list[_Segment], segs: np.ndarray, local: np.ndarray,
+                last: np.ndarray, piece_sizes: np.ndarray, row_of: np.ndarray,
+                used: np.ndarray, num_rows: int) -> tuple[list[dict[int, int]],
+                                                          list[dict[int, int]]]:
+        """``component_sample_counts`` and ``component_token_counts`` of every row."""
+        components = []
+        for seg in segments:
+            comp = seg.block.component
+            if seg.block.counts is not None or comp is None or not len(comp) \
+                    or not bool((comp == comp[0]).all()) or comp[0] < 0:
+                components = None
+                break
+            components.append(int(comp[0]))
+        if components is not None and len(set(components)) == 1:
+            # The usual case: every document is one sample of the same component.
+            c = components[0]
+            closed = np.bincount(row_of, weights=last, minlength=num_rows).astype(np.int64)
+            return ([{c: k} if k else {} for k in closed.tolist()],
+                    [{c: u} for u in used.tolist()])
+        counts: list[dict[int, int]] = [{} for _ in range(num_rows)]
+        tokens: list[dict[int, int]] = [{} for _ in range(num_rows)]
+        for p, (s, k) in enumerate(zip(segs.tolist(), local.tolist())):
+            seg = segments[s]
+            doc_counts = seg.block._counts_list()[int(seg.rows[k])]
+            row = int(row_of[p])
+            if last[p]:
+                samples = counts[row]
+                for comp, n in doc_counts.items():
+                    samples[comp] = samples.get(comp, 0) + n
+            _add_tokens(tokens[row], doc_counts, int(piece_sizes[p]))
+        return counts, tokens
 
-    # ------------------------------------------------------------------ emission
+    def _infos(self, segments: list[int], used: list[int],
+               truncated: list[int]) -> list[dict[str, int]]:
+        """The ``_packing_metadata`` of each row."""
+        if self.flat:
+            limit = self.max_length
+            return [{"num_segments": n, "num_tokens": u, "truncated_tokens": t,
+                     "padding_length": limit - u} for n, u, t in zip(segments, used, truncated)]
+        return [{"num_segments": n, "num_tokens": u, "truncated_tokens": t}
+                for n, u, t in zip(segments, used, truncated)]
 
-    def _row_info(self, used: int, pieces: Sequence[_Piece]) -> dict[str, int]:
-        """The ``_packing_metadata`` of a closed bin."""
-        return {"num_segments": len(pieces), "num_tokens": used,
-                "truncated_tokens": sum(p.truncated for p in pieces)}
+    def _assemble_rows(self, segments: list[_Segment], segs: np.ndarray, src_rows: np.ndarray,
+                       starts: np.ndarray, stops: np.ndarray, row_of: np.ndarray,
+                       used: np.ndarray, num_rows: int, firsts: np.ndarray) -> dict[str, Any]:
+        """The rows' payloads: ``fields=`` of flat rows, or ``payloads=`` of segment lists."""
+        plans: list[list[tuple[Any, int, int]]] | None = None
+        involved = np.unique(segs).tolist()
+        if not self.flat or any(segments[s].tokens is None for s in involved):
+            plans = [[] for _ in range(num_rows)]
+            for p, (s, row) in enumerate(zip(segs.tolist(), src_rows.tolist())):
+                plans[int(row_of[p])].append((segments[s].block.payload(row), int(starts[p]),
+                                              int(stops[p])))
+        if not self.flat:
+            tokens_field = self.tokens_field
+            return {"payloads": [assemble_segments(plan, tokens_field=tokens_field)
+                                 for plan in plans]}  # type: ignore[union-attr]
+        limit = self.max_length
+        if plans is not None:  # the general path: lists, tensors, loss masks
+            built = [assemble_flat_row(plan, limit, tokens_field=self.tokens_field,
+                                       pad_token_id=self.pad_token_id,
+                                       emit_positions=self.emit_positions) for plan in plans]
+            return {"payloads": built}
+        lengths = stops - starts
+        # Where each piece lands: its row, after the pieces before it in that row.
+        before = np.cumsum(lengths) - lengths
+        dest = row_of * limit + (before - before[firsts][row_of])
+        src = np.empty(len(lengths), dtype=np.int64)
+        for s in np.unique(segs).tolist():
+            sel = segs == s
+            src[sel] = segments[s].tokens.offsets[src_rows[sel]]  # type: ignore[union-attr]
+        src += starts
+        # The rows laid end to end are the pieces in placement order, each row's
+        # followed by its padding: one concatenate copies them all (a C-level copy
+        # of each document's run, no per-token index).
+        padding = np.full(limit, self.pad_token_id, dtype=np.int32)
+        pad_after = (np.append(firsts[1:], len(lengths)) - 1).tolist()  # each row's last piece
+        pads = (limit - used).tolist()
+        parts: list[np.ndarray] = []
+        values_of = {s: segments[s].tokens.values  # type: ignore[union-attr]
+                     for s in np.unique(segs).tolist()}
+        row = 0
+        for p, (s, a, n) in enumerate(zip(segs.tolist(), src.tolist(), lengths.tolist())):
+            parts.append(values_of[s][a:a + n])
+            if p == pad_after[row]:
+                if pads[row]:
+                    parts.append(padding[:pads[row]])
+                row += 1
+        out = np.concatenate(parts, dtype=np.int32, casting="same_kind")
+        fields: dict[str, Any] = {"input_ids": out.reshape(num_rows, limit)}
+        if self.emit_positions:
+            # Each token's distance from the start of its segment (a piece, or the
+            # trailing padding): the running maximum of the segment starts.
+            size = num_rows * limit
+            kind = np.int32 if size < 2**31 else np.int64
+            marks = np.zeros(size, dtype=kind)
+            marks[dest] = dest
+            padded = used < limit
+            pad_starts = np.flatnonzero(padded) * limit + used[padded]
+            marks[pad_starts] = pad_starts
+            np.maximum.accumulate(marks, out=marks)
+            positions = np.arange(size, dtype=kind)
+            positions -= marks
+            fields["positions"] = positions.astype(np.int32, copy=False).reshape(num_rows, limit)
+        return {"fields": fields}
 
-    def _close_pieces(self, pieces: list[_Piece], used: int) -> SampleRecord:
-        """The bin plan record of the pieces of one row, ``used`` tokens in all."""
-        meta = _packed_meta(pieces, self._row_info(used, pieces))
-        plan = [(p.payload, p.start, p.stop) for p in pieces]
-        return SampleRecord(meta, {PLAN_KEY: plan, "max_length": self.max_length})
+    # ------------------------------------------------------------------ records
+
+    _record_mode = False
+
+    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
+        """The engine for records: documents placed as blocks of consecutive documents of
+        a lane, rows returned assembled; tombstones (and stray sentinels) pass through."""
+        self._record_mode = True
+        ready: list[Any] = []
+        run: list[SampleRecord] = []
+
+        def place() -> None:
+            if run:
+                for out in self.push_block(Block.from_records(run)):
+                    ready.extend(out.records())
+                run.clear()
+
+        for elem in elems:
+            if not isinstance(elem, SampleRecord):
+                raise TypeError(
+                    f"packing takes SampleRecord elements, got {type(elem).__name__}; "
+                    "place pack_flat/pack_sequences before batch()"
+                )
+            if elem.meta.is_sentinel:
+                place()
+                ready.append(elem)
+                continue
+            if run and run[-1].meta.lane_id != elem.meta.lane_id:
+                place()
+            run.append(elem)
+        place()
+        return self._group(ready)
 
     def _group(self, ready: list[SampleRecord]) -> list[list[Any]]:
         """Cut ready elements into single-lane micro-batches, keeping each lane's order."""
@@ -578,13 +716,26 @@ class PackingAccumulator(Accumulator):
                 for i in range(0, len(elems), size)]
 
 
-class PackFlatAccumulator(PackingAccumulator):
-    """The accumulator of :class:`PackFlat`: rows also record their trailing padding."""
+def _interleave(rows: Block, row_positions: np.ndarray, dead: Block,
+                dead_positions: np.ndarray) -> list[Block]:
+    """Rows and tombstones in the order of the input positions they belong to."""
+    positions = np.concatenate([row_positions, dead_positions])
+    kinds = np.concatenate([np.zeros(len(rows), dtype=bool), np.ones(len(dead), dtype=bool)])
+    index = np.concatenate([np.arange(len(rows)), np.arange(len(dead))])
+    order = np.argsort(positions, kind="stable")
+    kinds, index = kinds[order], index[order]
+    out: list[Block] = []
+    cut = np.flatnonzero(kinds[1:] != kinds[:-1]) + 1
+    for start, stop in zip([0, *cut.tolist()], [*cut.tolist(), len(kinds)]):
+        source = dead if kinds[start] else rows
+        out.append(source.take(index[start:stop]))
+    return out
 
-    def _row_info(self, used: int, pieces: Sequence[_Piece]) -> dict[str, int]:
-        info = super()._row_info(used, pieces)
-        info["padding_length"] = self.max_length - used
-        return info
+
+class PackFlatAccumulator(PackingAccumulator):
+    """The accumulator of :class:`PackFlat`: flat rows that record their trailing padding."""
+
+    flat = True
 
 
 class PackSequencesAccumulator(PackingAccumulator):
@@ -657,7 +808,7 @@ def _slice_payload(payload: Any, start: int, stop: int, tokens_field: str) -> An
     if not isinstance(payload, dict):
         return tokens[start:stop]
     piece = dict(payload)
-    piece[_token_field(payload, tokens_field)] = tokens[start:stop]
+    piece[find_token_field(payload, tokens_field)] = tokens[start:stop]
     if piece.get(_MASK_FIELD) is not None:
         piece[_MASK_FIELD] = piece[_MASK_FIELD][start:stop]
     return piece
@@ -675,31 +826,15 @@ def assemble_segments(plan: Sequence[tuple[Any, int, int]], *,
                                for payload, start, stop in plan]}
 
 
-def _loaded(plan: dict[str, Any]) -> dict[str, Any]:
-    """A bin plan whose pieces are real payloads. A worker receives them so; a plan
-    assembled in the process that placed it may still list shared-memory handles."""
-    pieces = plan[PLAN_KEY]
-    if not any(type(payload) is LazyPayload for payload, _, _ in pieces):
-        return plan
-    return {**plan, PLAN_KEY: [(payload.load() if type(payload) is LazyPayload else payload,
-                                start, stop) for payload, start, stop in pieces]}
-
-
-def _is_plan(elem: Any) -> bool:
-    return (type(elem) is SampleRecord and type(elem.payload) is dict
-            and PLAN_KEY in elem.payload)
-
-
 # --------------------------------------------------------------------------- operators
 
 
 class _PackOperator(Operator):
     """What both packers share: validation, the accumulator, traits and config."""
 
-    # Rows per assembly task: each is a round trip to a worker under the process
-    # runner, and the output does not depend on how ready rows are grouped.
+    # Rows per micro-batch of push_many (the record path); the output does not
+    # depend on how ready rows are grouped.
     default_microbatch_size: ClassVar[int] = 64
-    nested_handles: ClassVar[bool] = True  # bin plans may list shared-memory handles
     _accumulator_type: ClassVar[type[PackingAccumulator]] = PackingAccumulator
 
     def __init__(self, max_length: int, *, num_bins: int, algorithm: str, tokens_field: str,
@@ -725,16 +860,20 @@ class _PackOperator(Operator):
         )
 
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
-        """Assemble every bin plan into its packed record; pass tombstones through."""
-        return [SampleRecord(e.meta, self._assemble(_loaded(e.payload))) if _is_plan(e) else e
-                for e in elems]
+        """The accumulator emits assembled rows: nothing is left to do here."""
+        return list(elems)
 
-    def _assemble(self, plan: dict[str, Any]) -> Any:
-        raise NotImplementedError
+    def process_block(self, block: Block) -> Block:
+        """The accumulator emits assembled rows: nothing is left to do here."""
+        return block
 
     def traits(self) -> OpTraits:
-        """Packing reorders (rows close out of cursor order) and fans out (split pieces)."""
-        return OpTraits(preserves_cursor_order=False, fan_out=True)
+        """Packing reorders (rows close out of cursor order) and fans out (split pieces).
+
+        Its accumulator places and assembles the rows, so ``process_many`` has
+        nothing left to do and runs on the driver thread (``inline``).
+        """
+        return OpTraits(preserves_cursor_order=False, fan_out=True, inline=True)
 
     def config(self) -> dict[str, Any]:
         """Every parameter that shapes the output (``bfd_window`` only where it does)."""
@@ -799,11 +938,12 @@ class PackFlat(_PackOperator):
         self.pad_token_id = int(pad_token_id)
         self.emit_positions = emit_positions
 
-    def _assemble(self, plan: dict[str, Any]) -> dict[str, np.ndarray]:
-        return assemble_flat_row(plan[PLAN_KEY], plan["max_length"],
-                                 tokens_field=self.tokens_field,
-                                 pad_token_id=self.pad_token_id,
-                                 emit_positions=self.emit_positions)
+    def accumulator(self, *, deterministic: bool, ctx: OpContext) -> PackingAccumulator:
+        """A fresh per-lane bin engine that assembles flat rows."""
+        acc = super().accumulator(deterministic=deterministic, ctx=ctx)
+        acc.pad_token_id = self.pad_token_id
+        acc.emit_positions = self.emit_positions
+        return acc
 
     def config(self) -> dict[str, Any]:
         """Every parameter that shapes the output."""
@@ -848,5 +988,3 @@ class PackSequences(_PackOperator):
                          tokens_field=tokens_field, min_sequence_length=min_sequence_length,
                          oversized=oversized, bfd_window=bfd_window)
 
-    def _assemble(self, plan: dict[str, Any]) -> dict[str, list[Any]]:
-        return assemble_segments(plan[PLAN_KEY], tokens_field=self.tokens_field)

@@ -44,9 +44,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
+from zephon_torch.block import ID_CHUNK, ID_DATASET, ID_LOCAL, ID_OFFSET, ID_SHARD, Block
 from zephon_torch.ops.accumulators import Accumulator, CountingAccumulator, lane_of
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
-from zephon_torch.sources.permute import seed_key
+from zephon_torch.sources.permute import mix64, seed_key
 from zephon_torch.types import CursorKey, SampleBatch
 
 __all__ = [
@@ -121,6 +124,56 @@ def salt_of(prefix: int, elem: Element) -> int:
     return _fold(prefix, (chunk_id, chunk_offset, len(lineage), *lineage, *sample_id))
 
 
+def block_salts(prefix: int, block: Block) -> np.ndarray:
+    """:func:`salt_of` of every row of a block, as uint64, with array operations."""
+    ids = block.ids.astype(np.uint64)
+    n = len(block)
+    acc = np.full(n, prefix, dtype=np.uint64)
+    lineage = block.lineage
+    lengths = (np.zeros(n, dtype=np.int64) if lineage is None
+               else np.fromiter(map(len, lineage), dtype=np.int64, count=n))
+    acc = mix64(acc ^ ids[:, ID_CHUNK])
+    acc = mix64(acc ^ ids[:, ID_OFFSET])
+    acc = mix64(acc ^ lengths.astype(np.uint64))
+    tail = (ID_DATASET, ID_SHARD, ID_LOCAL)
+    for depth in np.unique(lengths).tolist():
+        rows = np.flatnonzero(lengths == depth)
+        part = acc[rows]
+        if depth:
+            paths = np.array([lineage[r] for r in rows.tolist()], dtype=np.int64)  # type: ignore[index]
+            for d in range(depth):
+                part = mix64(part ^ paths[:, d].astype(np.uint64))
+        for column in tail:
+            part = mix64(part ^ ids[rows, column])
+        acc[rows] = part
+    return acc
+
+
+def _slots(salts: np.ndarray, lane: int, first_eviction: int, size: int) -> np.ndarray:
+    """The reservoir slot each arrival evicts: ``_fold(salt, (lane, n, size))`` mapped onto
+    ``[0, size)`` by multiply-shift, for evictions ``n = first_eviction, ...``."""
+    count = len(salts)
+    evictions = np.arange(first_eviction, first_eviction + count, dtype=np.uint64)
+    h = mix64(salts ^ np.uint64(lane & _MASK64))
+    h = mix64(h ^ evictions)
+    h = mix64(h ^ np.uint64(size))
+    # (h * size) >> 64 without 128-bit arithmetic (size < 2**32).
+    size64 = np.uint64(size)
+    high, low = h >> np.uint64(32), h & np.uint64(0xFFFFFFFF)
+    return ((high * size64 + ((low * size64) >> np.uint64(32))) >> np.uint64(32)).astype(np.int64)
+
+
+def order_block(block: Block, prefix: int) -> np.ndarray:
+    """The row order of :func:`order_by_salt` for a block: by salt, ties by cursor key."""
+    salts = block_salts(prefix, block)
+    order = np.argsort(salts, kind="stable")
+    ranked = salts[order]
+    if len(ranked) > 1 and bool((ranked[1:] == ranked[:-1]).any()):
+        keyed = sorted((int(salt), block.cursor_key(i), i) for i, salt in enumerate(salts))
+        order = np.array([i for _, _, i in keyed], dtype=np.int64)
+    return order
+
+
 def order_by_salt(elems: Sequence[Element], prefix: int) -> list[Element]:
     """Sort elements by ``(salt, cursor key)``: a permutation fixed by the set alone.
 
@@ -142,6 +195,43 @@ class _Reservoir:
         self.evictions = 0
 
 
+class _BlockReservoir:
+    """One lane's reservoir of rows: where each slot's row lives, and the salts.
+
+    Rows stay in the blocks they arrived in (``pool``); slot ``j`` holds row
+    ``rows[j]`` of block ``owners[j]``. Once the reservoir refers to many
+    blocks it is compacted into one block of its rows, so that a row that
+    lingers does not keep its whole arrival block alive.
+    """
+
+    __slots__ = ("evictions", "owners", "pool", "rows", "salts")
+
+    def __init__(self) -> None:
+        self.pool: list[Block] = []
+        self.owners: list[int] = []
+        self.rows: list[int] = []
+        self.salts: list[int] = []
+        self.evictions = 0
+
+    def gather(self, owners: Sequence[int], rows: Sequence[int]) -> Block:
+        """The rows ``(owners[i], rows[i])`` as one block, in that order."""
+        return Block.gather(self.pool, owners, rows)
+
+    def compact(self) -> None:
+        """Rewrite the held rows as one block, releasing the blocks they came from."""
+        if not self.owners:
+            self.pool = []
+            return
+        held = self.gather(self.owners, self.rows)
+        self.pool = [held]
+        self.owners = [0] * len(held)
+        self.rows = list(range(len(held)))
+
+
+# Blocks a reservoir may refer to before it is compacted.
+_POOL_LIMIT = 32
+
+
 class ReservoirShuffleAccumulator(Accumulator):
     """The accumulator of ``shuffle(algorithm="streaming")``: a reservoir per lane.
 
@@ -155,12 +245,52 @@ class ReservoirShuffleAccumulator(Accumulator):
     their state, so a flushed lane is exactly a fresh one.
     """
 
+    takes_blocks = True
+
     def __init__(self, buffer_size: int, *, seed: int = 0) -> None:
         _check_buffer_size(buffer_size)
         self.buffer_size = buffer_size
         self.seed = seed
         self._prefix = shuffle_prefix(seed)
         self._lanes: dict[int, _Reservoir] = {}
+        self._blocks: dict[int, _BlockReservoir] = {}
+
+    def push_block(self, block: Block) -> list[Block]:
+        """:meth:`push_many` for a block: the same evictions, decided over arrays."""
+        n = len(block)
+        if not n:
+            return []
+        lane = block.lane
+        res = self._blocks.get(lane)
+        if res is None:
+            res = self._blocks[lane] = _BlockReservoir()
+        size = self.buffer_size
+        salts = block_salts(self._prefix, block)
+        owner = len(res.pool)
+        res.pool.append(block)
+        fill = max(0, min(n, size - len(res.owners)))
+        if fill:
+            res.owners.extend([owner] * fill)
+            res.rows.extend(range(fill))
+            res.salts.extend(salts[:fill].tolist())
+        out: list[Block] = []
+        if fill < n:
+            slots = _slots(salts[fill:], lane, res.evictions, size).tolist()
+            late = salts[fill:].tolist()
+            owners, rows, held_salts = res.owners, res.rows, res.salts
+            out_owners: list[int] = []
+            out_rows: list[int] = []
+            for i, slot in enumerate(slots):
+                out_owners.append(owners[slot])
+                out_rows.append(rows[slot])
+                owners[slot] = owner
+                rows[slot] = fill + i
+                held_salts[slot] = late[i]
+            res.evictions += len(slots)
+            out.append(res.gather(out_owners, out_rows))
+        if len(res.pool) > _POOL_LIMIT:
+            res.compact()
+        return out
 
     def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
         out: dict[int, list[Any]] = {}
@@ -187,9 +317,20 @@ class ReservoirShuffleAccumulator(Accumulator):
         return list(out.values())
 
     def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
-        lanes = sorted(self._lanes) if lane_id is None else [lane_id]
-        out = []
+        lanes = sorted({*self._lanes, *self._blocks}) if lane_id is None else [lane_id]
+        out: list[Any] = []
         for lane in lanes:
+            held = self._blocks.pop(lane, None)
+            if held is not None and held.owners:
+                block = held.gather(held.owners, held.rows)
+                salts = np.array(held.salts, dtype=np.uint64)
+                order = np.argsort(salts, kind="stable")
+                ranked = salts[order]
+                if len(ranked) > 1 and bool((ranked[1:] == ranked[:-1]).any()):
+                    keyed = sorted((salt, block.cursor_key(i), i)
+                                   for i, salt in enumerate(held.salts))
+                    order = np.array([i for _, _, i in keyed], dtype=np.int64)
+                out.append(block.take(order))
             res = self._lanes.pop(lane, None)
             if res is None or not res.items:
                 continue
@@ -202,9 +343,11 @@ class ReservoirShuffleAccumulator(Accumulator):
 
     def has_pending_data(self, lane_id: int | None = None) -> bool:
         if lane_id is None:
-            return any(res.items for res in self._lanes.values())
+            return (any(res.items for res in self._lanes.values())
+                    or any(res.owners for res in self._blocks.values()))
         res = self._lanes.get(lane_id)
-        return res is not None and bool(res.items)
+        held = self._blocks.get(lane_id)
+        return (res is not None and bool(res.items)) or (held is not None and bool(held.owners))
 
 
 class WarmupBlockAccumulator(Accumulator):
@@ -230,6 +373,27 @@ class WarmupBlockAccumulator(Accumulator):
         self.first_block = min(first_block, buffer_size)
         self._buffers: dict[int, list[Any]] = {}
         self._blocks: dict[int, int] = {}
+        self._held: dict[int, list[Block]] = {}
+
+    takes_blocks = True
+
+    def push_block(self, block: Block) -> list[Block]:
+        """:meth:`push_many` for a block: cut at the same (growing) block sizes."""
+        lane = block.lane
+        held = self._held.setdefault(lane, [])
+        ready: list[Block] = []
+        rest = block
+        while len(rest):
+            index = self._blocks.get(lane, 0)
+            need = self.block_size(index) - sum(len(b) for b in held)
+            if len(rest) < need:
+                held.append(rest)
+                break
+            head, rest = rest.split_at(need)
+            ready.append(Block.concat([*held, head]))
+            held = self._held[lane] = []
+            self._blocks[lane] = index + 1
+        return ready
 
     def block_size(self, index: int) -> int:
         """Size of a lane's ``index``-th block since its last flush."""
@@ -253,19 +417,23 @@ class WarmupBlockAccumulator(Accumulator):
         return ready
 
     def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
-        lanes = sorted(set(self._buffers) | set(self._blocks)) if lane_id is None else [lane_id]
-        out = []
+        lanes = (sorted(set(self._buffers) | set(self._blocks) | set(self._held))
+                 if lane_id is None else [lane_id])
+        out: list[Any] = []
         for lane in lanes:
             buf = self._buffers.pop(lane, None)
+            held = self._held.pop(lane, None)
             self._blocks.pop(lane, None)
             if buf:
                 out.append(buf)
+            if held:
+                out.append(Block.concat(held))
         return out
 
     def has_pending_data(self, lane_id: int | None = None) -> bool:
         if lane_id is None:
-            return any(self._buffers.values())
-        return bool(self._buffers.get(lane_id))
+            return any(self._buffers.values()) or any(self._held.values())
+        return bool(self._buffers.get(lane_id)) or bool(self._held.get(lane_id))
 
 
 class Shuffle(Operator):
@@ -320,6 +488,12 @@ class Shuffle(Operator):
         if self.algorithm == "streaming":
             return list(elems)
         return order_by_salt(elems, self._prefix)
+
+    def process_block(self, block: Block) -> Block:
+        """:meth:`process_many` for rows held as a block."""
+        if self.algorithm == "streaming":
+            return block
+        return block.take(order_block(block, self._prefix))
 
     def traits(self) -> OpTraits:
         """Shuffling reorders, so plans with it use flush sentinels.

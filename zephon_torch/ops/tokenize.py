@@ -56,12 +56,14 @@ from typing import Any, ClassVar
 import numpy as np
 from tokenizers import Tokenizer
 
+from zephon_torch.block import Block, Ragged
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
 from zephon_torch.ops.io import _lone_surrogate
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.ops.transform import _check_record, callable_config
 from zephon_torch.sources.base import Dataset
 from zephon_torch.types import SampleRecord
+from zephon_torch.vocab import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG
 
 __all__ = [
     "BOS_TOKEN_CANDIDATES",
@@ -292,6 +294,15 @@ class _TokenizerOperator(Operator):
         self.__dict__.update(state)
 
 
+def _no_text(payload: Any, field: str, text: Any) -> str:
+    """What is wrong with a payload that holds no string under ``field``."""
+    if isinstance(payload, Mapping) and field in payload:
+        return f"field {field!r} is a {type(text).__name__}, not a str"
+    if isinstance(payload, Mapping):
+        return f"has no field {field!r} (fields: {sorted(map(str, payload))})"
+    return f"payload is a {type(payload).__name__}, not a dict with {field!r}"
+
+
 class Tokenize(_TokenizerOperator):
     """Encode a text field into an ``int32`` array of token ids.
 
@@ -370,13 +381,7 @@ class Tokenize(_TokenizerOperator):
                 texts.append(text)
                 where.append(i)
                 continue
-            if isinstance(payload, Mapping) and field in payload:
-                problem = f"field {field!r} is a {type(text).__name__}, not a str"
-            elif isinstance(payload, Mapping):
-                problem = f"has no field {field!r} (fields: {sorted(map(str, payload))})"
-            else:
-                problem = f"payload is a {type(payload).__name__}, not a dict with {field!r}"
-            out[i] = self._reject(rec, "tokenize_error", problem,
+            out[i] = self._reject(rec, "tokenize_error", _no_text(payload, field, text),
                                   "fix the data, set field=...")
         if texts:
             out_field = self.out_field
@@ -393,6 +398,118 @@ class Tokenize(_TokenizerOperator):
                     continue
                 out[i] = SampleRecord(rec.meta, {**rec.payload, out_field: self._to_array(ids)})
         return out
+
+    def process_block(self, block: Block) -> Block:
+        """:meth:`process_many` for a block: one encode call, the ids as one ragged column.
+
+        Dict payloads that share their keys (the usual case) stay columns,
+        with the ids as a :class:`~zephon_torch.block.Ragged` column under
+        ``out_field``; the records a block view gives are those of
+        :meth:`process_many`.
+        """
+        n = len(block)
+        field = self.field
+        dead = block.tomb
+        fields = block.fields
+        if fields is not None and isinstance(fields.get(field), list):
+            texts_in: list[Any] = fields[field]
+            payloads = None
+        else:
+            payloads = block.payload_list()
+            texts_in = [p.get(field) if isinstance(p, Mapping) else None for p in payloads]
+        live = [i for i in range(n)
+                if (dead is None or not dead[i]) and isinstance(texts_in[i], str)]
+        bad = [i for i in range(n) if (dead is None or not dead[i]) and
+               not isinstance(texts_in[i], str)]
+        texts = [texts_in[i] for i in live]
+        encoded: list[Any] = []
+        if texts:
+            try:
+                encoded = self._encode(texts)
+            except Exception as exc:  # find the text(s) that cannot be encoded
+                encoded = [r if isinstance(r, Exception) else r[0]
+                           for r in self._encode_apart([[t] for t in texts], exc)]
+        rejected: dict[int, SampleRecord] = {}
+        for i in bad:
+            problem = _no_text(block.payload(i), field, texts_in[i])
+            rejected[i] = self._reject(block.record(i), "tokenize_error", problem,
+                                       "fix the data, set field=...")
+        rows: list[np.ndarray | None] = [None] * n
+        for i, ids in zip(live, encoded):
+            if isinstance(ids, Exception):
+                rejected[i] = self._reject(
+                    block.record(i), "tokenize_error",
+                    _unencodable(f"field {field!r}", texts_in[i], ids), cause=ids)
+                continue
+            rows[i] = ids
+        column = self._ragged(rows)
+        result = self._with_ids(block, payloads, column)
+        if rejected:
+            mask = np.zeros(n, dtype=bool)
+            mask[list(rejected)] = True
+            reasons: list[str | None] = [None] * n
+            details: list[str | None] = [None] * n
+            for i, record in rejected.items():
+                reasons[i] = record.meta.tags.get(TOMBSTONE_REASON_TAG)
+                details[i] = record.meta.tags.get(TOMBSTONE_DETAIL_TAG)
+            result = result.with_tombstones(mask, reasons, details)
+        return result
+
+    def _ragged(self, rows: list[Any]) -> Ragged:
+        """The ids of each row (``None``: no ids) as one int32 column, special tokens added."""
+        bos, eos = self.bos_token_id, self.eos_token_id
+        room = None if self.max_length is None else self.max_length - self._n_special
+        bodies = [0 if r is None else (len(r) if room is None else min(len(r), room))
+                  for r in rows]
+        lengths = np.array(bodies, dtype=np.int64)
+        has = np.fromiter((r is not None for r in rows), dtype=bool, count=len(rows))
+        lengths[has] += self._n_special
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = np.empty(int(offsets[-1]), dtype=np.int32)
+        start = 0 if bos is None else 1
+        for i, (ids, body) in enumerate(zip(rows, bodies)):
+            if ids is not None and body:
+                at = int(offsets[i]) + start
+                values[at:at + body] = ids if body == len(ids) else ids[:body]
+        firsts, lasts = offsets[:-1][has], offsets[1:][has] - 1
+        if bos is not None:
+            values[firsts] = bos
+        if eos is not None:
+            values[lasts] = eos
+        return Ragged(values, offsets)
+
+    def _with_ids(self, block: Block, payloads: list[Any] | None, column: Ragged) -> Block:
+        """The block with ``out_field`` set on every data row's payload."""
+        out_field = self.out_field
+        if block.fields is not None and payloads is None:
+            fields = dict(block.fields)
+            fields[out_field] = column
+            return block.with_fields(fields)
+        assert payloads is not None
+        dead = block.tomb
+        keys = None
+        same = True
+        for i, p in enumerate(payloads):
+            if dead is not None and dead[i]:
+                continue
+            if type(p) is not dict:
+                same = False
+                break
+            if keys is None:
+                keys = p.keys()
+            elif p.keys() != keys:
+                same = False
+                break
+        if same and keys is not None:
+            names = list(keys)
+            fields = {name: [None if p is None else p[name] for p in payloads] for name in names}
+            fields[out_field] = column
+            return block.with_fields(fields)
+        views = column.rows()
+        new = [p if (dead is not None and dead[i]) or not isinstance(p, Mapping)
+               else {**p, out_field: views[i]} for i, p in enumerate(payloads)]
+        return block.with_payloads(new)
 
     def _to_array(self, ids: list[int]) -> np.ndarray:
         bos, eos = self.bos_token_id, self.eos_token_id

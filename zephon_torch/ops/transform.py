@@ -45,9 +45,14 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import is_not
 from types import CodeType
 from typing import Any
 
+import numpy as np
+
+from zephon_torch.block import Block
 from zephon_torch.ops.base import Element, Operator, OpTraits, tombstone
 from zephon_torch.ops.placement import PLACEMENTS, set_placement
 from zephon_torch.types import SampleRecord
@@ -207,6 +212,24 @@ class MapTransform(Operator):
                 append(SampleRecord(meta, new))
         return out
 
+    def process_block(self, block: Block) -> Block:
+        """:meth:`process_many` on a block: ``fn`` on each data row's payload, no record built."""
+        fn = self.fn
+        payloads = block.payload_list()
+        if block.tomb is None:
+            new = [fn(p) for p in payloads]
+        else:
+            new = [p if dead else fn(p) for p, dead in zip(payloads, block.tomb.tolist())]
+        out = block.with_payloads(new)
+        # (Not ``None in new``: that compares with ==, which an array payload refuses.)
+        if self.drop_none and not all(map(is_not, new, repeat(None))):
+            none = np.fromiter((p is None for p in new), dtype=bool, count=len(new))
+            if block.tomb is not None:
+                none &= ~block.tomb
+            if none.any():
+                out = out.with_tombstones(none, "map_none")
+        return out
+
     def traits(self) -> OpTraits:
         """Elementwise: consecutive elementwise stages may be fused."""
         return OpTraits(elementwise=True)
@@ -251,6 +274,18 @@ class Filter(Operator):
             else:
                 append(tombstone(rec, "filter"))
         return out
+
+    def process_block(self, block: Block) -> Block:
+        """:meth:`process_many` on a block: a mask of the rows that fail ``predicate``."""
+        predicate = self.predicate
+        payloads = block.payload_list()
+        if block.tomb is None:
+            keep = [bool(predicate(p)) for p in payloads]
+        else:
+            keep = [True if dead else bool(predicate(p))
+                    for p, dead in zip(payloads, block.tomb.tolist())]
+        failed = ~np.array(keep, dtype=bool)
+        return block.with_tombstones(failed, "filter") if failed.any() else block
 
     def traits(self) -> OpTraits:
         """Elementwise: consecutive elementwise stages may be fused."""

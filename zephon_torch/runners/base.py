@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from zephon_torch.block import Block
 from zephon_torch.ops.base import OpContext, Operator
 from zephon_torch.sources.base import thread_bytes_read
 
-__all__ = ["InlinePool", "Pool", "ThreadPool", "completed"]
+__all__ = ["InlinePool", "Pool", "ThreadPool", "completed", "run_unit"]
+
+
+def run_unit(op: Operator, unit: Any) -> Any:
+    """Run one micro-batch: ``process_block`` for a block, ``process_many`` for a list."""
+    if type(unit) is Block:
+        return op.process_block(unit)
+    return op.process_many(unit)
 
 
 def completed(value: Any = None, error: BaseException | None = None) -> cf.Future:
@@ -38,23 +46,12 @@ def completed(value: Any = None, error: BaseException | None = None) -> cf.Futur
 
 
 class Pool:
-    """Interface of a worker pool.
+    """Interface of a worker pool."""
 
-    Attributes:
-        remote_payloads: True if results may hold lazy payload handles that
-            :meth:`resolve` must turn into real payloads before a local
-            consumer reads them.
-    """
-
-    remote_payloads: bool = False
-
-    def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
-        """Run ``ops[stage_index].process_many(elems)``; return its future."""
+    def submit(self, stage_index: int, elems: Any) -> cf.Future:
+        """Run the micro-batch ``elems`` (a block or a list) on stage ``stage_index``'s
+        operator (see :func:`run_unit`); return its future."""
         raise NotImplementedError
-
-    def resolve(self, elems: list[Any]) -> list[Any]:
-        """Make every payload in ``elems`` a real, local object (identity here)."""
-        return elems
 
     def bytes_read(self) -> int | None:
         """Bytes dataset readers read (:func:`~zephon_torch.sources.base.count_read`) in
@@ -75,15 +72,15 @@ class InlinePool(Pool):
         for op, ctx in zip(self.ops, ctxs):
             op.setup(ctx)
 
-    def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
+    def submit(self, stage_index: int, elems: Any) -> cf.Future:
         try:
-            return completed(self.ops[stage_index].process_many(elems))
+            return completed(run_unit(self.ops[stage_index], elems))
         except BaseException as exc:  # re-raised by the engine, in order
             return completed(error=exc)
 
-    def run(self, stage_index: int, elems: list[Any]) -> list[Any]:
+    def run(self, stage_index: int, elems: Any) -> Any:
         """Run a job and return its result directly (no future)."""
-        return self.ops[stage_index].process_many(elems)
+        return run_unit(self.ops[stage_index], elems)
 
 
 class ThreadPool(Pool):
@@ -102,15 +99,14 @@ class ThreadPool(Pool):
         self._bytes = 0
         self._bytes_lock = threading.Lock()
 
-    def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
-        return self._executors[stage_index].submit(self._counted,
-                                                   self.ops[stage_index].process_many, elems)
+    def submit(self, stage_index: int, elems: Any) -> cf.Future:
+        return self._executors[stage_index].submit(self._counted, self.ops[stage_index], elems)
 
-    def _counted(self, job: Callable[[list[Any]], list[Any]], elems: list[Any]) -> list[Any]:
+    def _counted(self, op: Operator, elems: Any) -> Any:
         """Run a job on a pool thread and add what it read to the pool's count."""
         before = thread_bytes_read()
         try:
-            return job(elems)
+            return run_unit(op, elems)
         finally:
             read = thread_bytes_read() - before
             if read:

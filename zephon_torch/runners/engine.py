@@ -2,20 +2,33 @@
 
 Each stage of a compiled plan is an operator, its accumulator and a pool::
 
-    inbox ──► accumulator.push_many ──► micro-batch #0 #1 #2 ──► pool ──► slots ──► next inbox
-                 (driver thread)            (sequence order)     (any order)  (released in order)
+    inbox ──► accumulator ──► micro-batch #0 #1 #2 ──► pool ──► slots ──► next inbox
+              (driver thread)     (sequence order)    (any order)  (released in order)
 
 The driver (whoever calls :meth:`Engine.pump`) feeds every stage's inbox to
 its accumulator in stream order, dispatches the micro-batches it returns,
 and releases finished results from the head of the stage's *slots* queue
 only, so a slow micro-batch is never overtaken (``deterministic=False``
-releases data in completion order instead; control records still wait for
+releases data in completion order instead; control items still wait for
 everything before them).
 
-Control records never enter an accumulator:
+**Units.** What moves between stages is a *unit*: a
+:class:`~zephon_torch.block.Block` (one lane's records as columns, the
+common case before ``batch``), a :class:`~zephon_torch.block.Sentinel` (a
+lane's epoch boundary) or a list of elements (records or batches, from a
+user operator, or batches after ``batch``). A stage runs in *block mode*
+when it comes before ``batch`` and both its operator and its accumulator
+have a block path (``process_block``, ``push_block``); it then receives
+blocks only (a list from an upstream user operator is turned into blocks).
+Any other stage gets lists of records, as the seed contract says; a block
+reaching it is viewed as records once.
 
-* a **tombstone** takes a slot of its own at its stream position and is
-  forwarded untouched;
+Control items never enter an accumulator as data:
+
+* **tombstones** (rows of a block, or tombstone records) keep their stream
+  position: a stage that is not elementwise forwards them in a slot of their
+  own after the micro-batches dispatched before them; elementwise block
+  stages let them ride inside the blocks (their operators pass them through);
 * a **flush sentinel** of lane ``l`` makes the stage call
   ``flush(reset=True, lane_id=l)``, dispatch what it returns, check that lane
   ``l`` holds nothing more (a loud error otherwise), and forward the
@@ -24,10 +37,10 @@ Control records never enter an accumulator:
   waits until ``try_epoch_reset(boundary, l)`` says the buffer holds only
   records of the new epoch.
 
-At the end of the input a stage calls ``flush()``; records an accumulator
-drops (a ``drop_last`` remainder) become tombstones, so nothing is lost
-silently. Backpressure: a stage takes new input only while fewer than
-``max_in_flight`` of its micro-batches are out.
+At the end of the input a stage calls ``flush()``; what an accumulator drops
+(a ``drop_last`` remainder) becomes tombstones, so nothing is lost silently.
+Backpressure: a stage takes new input only while fewer than ``max_in_flight``
+of its micro-batches are out.
 """
 
 from __future__ import annotations
@@ -37,27 +50,29 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
+from zephon_torch.block import Block, Sentinel, blocks_from_elements
 from zephon_torch.ops.accumulators import Accumulator, lane_of
 from zephon_torch.ops.base import Operator, check_elements, tombstone
-from zephon_torch.runners.base import InlinePool, Pool
-from zephon_torch.types import (
-    FLUSH_SENTINEL_TAG,
-    TOMBSTONE_TAG,
-    SampleBatch,
-    SampleRecord,
-)
+from zephon_torch.runners.base import InlinePool, Pool, run_unit
+from zephon_torch.types import SampleBatch, SampleRecord
+from zephon_torch.vocab import is_control, is_flush_sentinel
 
-__all__ = ["Engine", "Stage"]
+__all__ = ["Engine", "Stage", "Unit"]
+
+#: What moves between stages (see the module doc).
+Unit = Block | Sentinel | list
 
 
 class _Slot:
-    """One entry of a stage's ordered output: ready items or a pending future."""
+    """One entry of a stage's ordered output: a ready unit or a pending future."""
 
-    __slots__ = ("control", "future", "items")
+    __slots__ = ("control", "future", "unit")
 
-    def __init__(self, items: list[Any] | None = None, future: cf.Future | None = None,
+    def __init__(self, unit: Any = None, future: cf.Future | None = None,
                  control: bool = False) -> None:
-        self.items = items
+        self.unit = unit
         self.future = future
         self.control = control  # tombstones and sentinels: forwarded unchecked
 
@@ -73,20 +88,18 @@ class Stage:
         name: Stage name for messages (``"tokenize"``, ``"map_transform_2"``).
         op: The operator.
         accumulator: Its fresh accumulator.
-        pool: Where ``process_many`` runs.
-        local: Run ``process_many`` on the driver thread (cheap operators,
-            or the inline runner).
+        pool: Where the micro-batches run.
+        local: Run micro-batches on the driver thread (cheap operators, or
+            the inline runner).
         stalls: This stage may stall flush sentinels (``batch(drop_last=True)``).
-        resolve_input: Payloads arriving here may be lazy handles that must be
-            resolved first (a local, remote or payload-reading stage after a
-            process stage).
+        blocks: Block mode (see the module doc).
         max_in_flight: This stage's own bound on micro-batches out at once
             (a remote stage's ``Remote.max_in_flight``); ``None``: the
             engine's.
     """
 
     def __init__(self, index: int, name: str, op: Operator, accumulator: Accumulator,
-                 pool: Pool, *, local: bool, stalls: bool, resolve_input: bool,
+                 pool: Pool, *, local: bool, stalls: bool, blocks: bool = False,
                  max_in_flight: int | None = None) -> None:
         self.index = index
         self.name = name
@@ -95,12 +108,14 @@ class Stage:
         self.pool = pool
         self.local = local
         self.stalls = stalls
-        self.resolve_input = resolve_input
+        self.blocks = blocks
+        # Tombstone rows ride inside the blocks of an elementwise block stage.
+        self.tombs_ride = blocks and op.traits().elementwise
         self.max_in_flight = max_in_flight
-        self.inbox: deque[list[Any]] = deque()
+        self.inbox: deque[Any] = deque()
         self.slots: deque[_Slot] = deque()
         self.in_flight = 0
-        self.stalled: dict[int, deque[SampleRecord]] = {}
+        self.stalled: dict[int, deque[Sentinel]] = {}
         self.upstream_done = False
         self.flushed = False
         self.done = False
@@ -111,10 +126,10 @@ class Stage:
 
 
 class Engine:
-    """Drives the stages over a source of chunks (see the module doc).
+    """Drives the stages over a source of units (see the module doc).
 
     Args:
-        source: Yields lists of records (one chunk, plus sentinels).
+        source: Yields lists of units (a chunk's block, then maybe a sentinel).
         stages: The compiled stages, in order.
         deterministic: Release results in sequence order (True) or in
             completion order (False; latency-bound flushes are polled).
@@ -127,8 +142,8 @@ class Engine:
         self.stages = stages
         self.deterministic = deterministic
         self.max_in_flight = max(1, max_in_flight)
-        #: Lists of output elements, in order (a list per released slot).
-        self.outputs: deque[list[Any]] = deque()
+        #: Output units, in order.
+        self.outputs: deque[Any] = deque()
         self.source_done = False
         self.finished = False
 
@@ -152,7 +167,7 @@ class Engine:
                 return bool(self.outputs)
             if not self.source_done and not stages[0].inbox and self._has_capacity():
                 try:
-                    stages[0].inbox.append(next(self.source))
+                    stages[0].inbox.extend(next(self.source))
                 except StopIteration:
                     self.source_done = True
                     stages[0].upstream_done = True
@@ -180,16 +195,13 @@ class Engine:
         else:  # nothing can move: a bug, never a silent hang
             raise RuntimeError("zephon engine stalled: no work in flight and no input ready")
 
-    # ------------------------------------------------------------------ stages
+    # ------------------------------------------------------------------ feeding a stage
 
     def _advance(self, stage: Stage) -> bool:
         moved = False
         limit = self._limit(stage)
         while stage.inbox and stage.in_flight < limit:
-            elems = stage.inbox.popleft()
-            if stage.resolve_input:
-                elems = stage.pool.resolve(elems)
-            self._feed(stage, elems)
+            self._feed(stage, stage.inbox.popleft())
             moved = True
         if not self.deterministic:
             ready = stage.acc.poll()
@@ -198,10 +210,60 @@ class Engine:
                 moved = True
         return moved
 
-    def _feed(self, stage: Stage, elems: list[Any]) -> None:
+    def _feed(self, stage: Stage, unit: Any) -> None:
+        kind = type(unit)
+        if kind is Sentinel:
+            self._sentinel(stage, unit)
+        elif kind is Block:
+            if stage.blocks:
+                self._feed_block(stage, unit)
+            else:
+                self._feed_records(stage, unit)
+        elif stage.blocks:
+            for block in blocks_from_elements(unit, stage.name):
+                self._feed_block(stage, block)
+        else:
+            self._feed_list(stage, unit)
+
+    def _feed_block(self, stage: Stage, block: Block) -> None:
+        """A block into a block-mode stage, tombstone rows routed around it unless they ride."""
+        if stage.tombs_ride or block.tomb is None:
+            self._push_block(stage, block)
+        else:
+            self._around_tombstones(stage, block, self._push_block)
+
+    def _around_tombstones(self, stage: Stage, block: Block, push: Any) -> None:
+        """``push(stage, part)`` each run of data rows; tombstone runs keep their place."""
+        for start, stop, is_tomb in _runs(block.tomb):  # type: ignore[arg-type]
+            part = block.slice(start, stop)
+            if is_tomb:
+                self._tombstones(stage, part)
+            else:
+                push(stage, part)
+
+    def _push_block(self, stage: Stage, block: Block) -> None:
+        acc = stage.acc
+        if not stage.stalled or block.lane not in stage.stalled:
+            self._dispatch(stage, acc.push_block(block))
+            return
+        # The lane holds a stalled sentinel: push a row at a time so that the
+        # sentinel is released right after the batch that closes its epoch.
+        for i in range(len(block)):
+            self._dispatch(stage, acc.push_block(block.slice(i, i + 1)))
+            self._release_stalled(stage, block.lane)
+
+    def _feed_records(self, stage: Stage, block: Block) -> None:
+        """A block into a stage that takes records: viewed as records once."""
+        if block.tomb is None:
+            self._push(stage, block.records())
+        else:
+            self._around_tombstones(stage, block,
+                                    lambda stage, part: self._push(stage, part.records()))
+
+    def _feed_list(self, stage: Stage, elems: list[Any]) -> None:
         # Control records are rare: find them in one sweep, then cut around them.
         controls = [i for i, e in enumerate(elems)
-                    if type(e) is SampleRecord and e.meta.tags and _is_control(e)]
+                    if type(e) is SampleRecord and e.meta.tags and is_control(e.meta.tags)]
         if not controls:
             self._push(stage, elems)
             return
@@ -209,7 +271,12 @@ class Engine:
         for i in controls:
             if i > start:
                 self._push(stage, elems[start:i])
-            self._control(stage, elems[i])
+            record = elems[i]
+            if is_flush_sentinel(record.meta.tags):
+                self._sentinel(stage, Sentinel(record.meta.lane_id, record.meta.chunk_id))
+            else:
+                stage.counters["tombstones"] += 1
+                stage.slots.append(_Slot([record], control=True))
             start = i + 1
         if start < len(elems):
             self._push(stage, elems[start:])
@@ -225,20 +292,20 @@ class Engine:
             self._dispatch(stage, acc.push_many([elem]))
             self._release_stalled(stage, lane_of(elem))
 
-    def _control(self, stage: Stage, elem: SampleRecord) -> None:
-        meta = elem.meta
+    def _tombstones(self, stage: Stage, block: Block) -> None:
+        """Tombstone rows bypass a stage, keeping their stream position."""
+        stage.counters["tombstones"] += len(block)
+        stage.slots.append(_Slot(block, control=True))
+
+    def _sentinel(self, stage: Stage, sentinel: Sentinel) -> None:
         counters = stage.counters
-        if not meta.tags.get(FLUSH_SENTINEL_TAG):
-            counters["tombstones"] += 1
-            stage.slots.append(_Slot([elem], control=True))  # keeps its stream position
-            return
         counters["sentinels"] += 1
-        lane = meta.lane_id
+        lane = sentinel.lane
         acc = stage.acc
         if stage.stalls and (stage.stalled.get(lane) or acc.has_pending_data(lane)):
             counters["stalled_sentinels"] += 1
             queue = stage.stalled.setdefault(lane, deque())
-            queue.append(elem)
+            queue.append(sentinel)
             self._release_stalled(stage, lane)
             return
         self._dispatch(stage, acc.flush(reset=True, lane_id=lane))
@@ -249,18 +316,18 @@ class Engine:
                 "sentinel, or replay would silently break"
             )
         self._take_dropped(stage)
-        stage.slots.append(_Slot([elem], control=True))
+        stage.slots.append(_Slot(sentinel, control=True))
 
     def _release_stalled(self, stage: Stage, lane: int) -> None:
         queue = stage.stalled.get(lane)
-        while queue and stage.acc.try_epoch_reset(queue[0].meta.chunk_id, lane):
-            stage.slots.append(_Slot([queue.popleft()], control=True))
+        while queue and stage.acc.try_epoch_reset(queue[0].boundary, lane):
+            stage.slots.append(_Slot(queue.popleft(), control=True))
         if queue is not None and not queue:
             del stage.stalled[lane]
 
-    def _dispatch(self, stage: Stage, batches: list[list[Any]]) -> None:
+    def _dispatch(self, stage: Stage, batches: list[Any]) -> None:
         for batch in batches:
-            if not batch:
+            if not len(batch):
                 continue
             stage.counters["microbatches"] += 1
             if stage.local:
@@ -271,9 +338,10 @@ class Engine:
 
     def _take_dropped(self, stage: Stage) -> None:
         dropped = stage.acc.take_dropped()
-        if dropped:
-            stage.slots.append(_Slot([t for elem in dropped for t in _drop(elem)],
-                                     control=True))
+        if not dropped:
+            return
+        for unit in _dropped_units(dropped):
+            stage.slots.append(_Slot(unit, control=True))
 
     def _finish(self, stage: Stage) -> bool:
         if stage.done:
@@ -284,7 +352,7 @@ class Engine:
             self._dispatch(stage, stage.acc.flush())
             self._take_dropped(stage)
             for lane in sorted(stage.stalled):
-                stage.slots.extend(_Slot([s], control=True) for s in stage.stalled[lane])
+                stage.slots.extend(_Slot(s, control=True) for s in stage.stalled[lane])
             stage.stalled.clear()
             stage.flushed = True
             return True
@@ -296,12 +364,14 @@ class Engine:
             self.stages[index].upstream_done = True
         return True
 
+    # ------------------------------------------------------------------ releasing results
+
     def _release(self, stage: Stage) -> bool:
         slots = stage.slots
         if not slots:
             return False
         index = stage.index + 1
-        target = self.stages[index].inbox if index < len(self.stages) else None
+        target = self.stages[index].inbox if index < len(self.stages) else self.outputs
         moved = False
         if self.deterministic:
             while slots and slots[0].done():
@@ -321,22 +391,21 @@ class Engine:
         stage.slots = kept
         return moved
 
-    def _forward(self, stage: Stage, slot: _Slot, target: deque[list[Any]] | None) -> None:
+    def _forward(self, stage: Stage, slot: _Slot, target: deque[Any]) -> None:
         if slot.future is not None:
             stage.in_flight -= 1
-            items = slot.future.result()  # re-raises the worker's exception, in order
+            unit = slot.future.result()  # re-raises the worker's exception, in order
         else:
-            items = slot.items
-        if not slot.control:
-            items = check_elements(items, stage.name)
-        if not items:
+            unit = slot.unit
+        kind = type(unit)
+        if kind is Block or kind is Sentinel:
+            if kind is Sentinel or len(unit):
+                target.append(unit)
             return
-        if target is not None:
-            target.append(items)
-        else:
-            if stage.pool.remote_payloads and not stage.local:
-                items = stage.pool.resolve(items)
-            self.outputs.append(items)
+        if not slot.control:
+            unit = check_elements(unit, stage.name)
+        if unit:
+            target.append(unit)
 
     def close(self) -> None:
         """Cancel what is still queued (the pools are closed by their owner)."""
@@ -348,19 +417,35 @@ class Engine:
             stage.inbox.clear()
 
 
-def _is_control(elem: SampleRecord) -> bool:
-    tags = elem.meta.tags
-    return bool(tags.get(TOMBSTONE_TAG) or tags.get(FLUSH_SENTINEL_TAG))
+def _runs(mask: np.ndarray) -> list[tuple[int, int, bool]]:
+    """``(start, stop, value)`` of each run of equal values in a bool array."""
+    n = len(mask)
+    if n == 0:
+        return []
+    change = np.flatnonzero(mask[1:] != mask[:-1]) + 1
+    starts = [0, *change.tolist()]
+    stops = [*change.tolist(), n]
+    values = mask[starts].tolist()
+    return list(zip(starts, stops, values))
 
 
-def _drop(elem: Any) -> list[Any]:
-    """A dropped element becomes tombstones closing what it would have closed."""
-    records = elem.records if isinstance(elem, SampleBatch) else (elem,)
-    return [tombstone(record, "drop_last") for record in records]
+def _dropped_units(dropped: list[Any]) -> list[Any]:
+    """What an accumulator dropped, as tombstones closing what it would have closed."""
+    units: list[Any] = []
+    records: list[Any] = []
+    for elem in dropped:
+        if type(elem) is Block:
+            units.append(elem.with_tombstones(np.ones(len(elem), dtype=bool), "drop_last"))
+        else:
+            batch = elem.records if isinstance(elem, SampleBatch) else (elem,)
+            records.extend(tombstone(record, "drop_last") for record in batch)
+    if records:
+        units.append(records)
+    return units
 
 
-def _run_local(stage: Stage, batch: list[Any]) -> list[Any]:
+def _run_local(stage: Stage, batch: Any) -> Any:
     pool = stage.pool
     if isinstance(pool, InlinePool):
         return pool.run(stage.index, batch)
-    return stage.op.process_many(batch)
+    return run_unit(stage.op, batch)

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon_torch.ops.base import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG, OpContext, Operator
+from zephon_torch.block import Block, BlockBatch, Sentinel
+from zephon_torch.ops.base import OpContext, Operator
 from zephon_torch.ops.fused import parts_of
 from zephon_torch.ops.placement import placement_options
 from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
@@ -34,12 +35,15 @@ from zephon_torch.runners.engine import Engine, Stage
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.sources.emitter import SourceEmitter
 from zephon_torch.sources.schedule import Chunk, WorkSchedule
-from zephon_torch.types import (
-    CONTRIBUTORS_TAG,
+from zephon_torch.types import SampleBatch, SampleRecord
+from zephon_torch.vocab import (
     FLUSH_SENTINEL_TAG,
+    TOMBSTONE_DETAIL_TAG,
+    TOMBSTONE_REASON_TAG,
     TOMBSTONE_TAG,
-    SampleBatch,
-    SampleRecord,
+    close_count,
+    closed_offsets,
+    is_error_reason,
 )
 
 if TYPE_CHECKING:
@@ -315,25 +319,23 @@ class PipelineIterator:
         from zephon_torch.ops.batch import Batch
 
         stages = []
-        lazy = False  # whether payloads arriving at the next stage may be lazy handles
+        before_batch = True  # the stream is records (blocks), not batches, here
         for i, (c, ctx) in enumerate(zip(compiled, ctxs)):
             acc = c.op.accumulator(deterministic=self.deterministic, ctx=ctx)
             # Only batch(drop_last=True) may stall a sentinel: decided from the instance.
             stalls = isinstance(c.op, Batch) and bool(c.op.drop_last)
-            if i in self._remote:  # on Ray: real payloads in, real payloads out
+            blocks = before_batch and acc.takes_blocks and c.op.has_block_path()
+            before_batch = before_batch and not c.op.traits().produces_batches
+            if i in self._remote:  # on Ray
                 ray_pool: Any = self._ray_pool
                 stages.append(Stage(
-                    i, c.name, c.op, acc, ray_pool, local=False, stalls=stalls,
-                    resolve_input=lazy, max_in_flight=ray_pool.max_in_flight(i),
+                    i, c.name, c.op, acc, ray_pool, local=False, stalls=stalls, blocks=blocks,
+                    max_in_flight=ray_pool.max_in_flight(i),
                 ))
-                lazy = False
                 continue
             local = c.local or self.runner == "inline"
-            stages.append(Stage(
-                i, c.name, c.op, acc, self._pool, local=local, stalls=stalls,
-                resolve_input=lazy and (local or (acc.reads_payload and not acc.takes_handles)),
-            ))
-            lazy = self._pool.remote_payloads and (not local or (lazy and not acc.reads_payload))
+            stages.append(Stage(i, c.name, c.op, acc, self._pool, local=local, stalls=stalls,
+                                blocks=blocks))
         return stages
 
     @contextlib.contextmanager
@@ -452,6 +454,13 @@ class PipelineIterator:
         queues = self._queues
         while outputs:
             items = outputs.popleft()
+            kind = type(items)
+            if kind is Block:
+                self._route_block(items)
+                continue
+            if kind is Sentinel:
+                self._route_sentinel(items.lane, items.boundary)
+                continue
             first = items[0]
             lane = first.meta.lane_id if type(first) is SampleRecord else first.lane_ids[0]
             if all(type(e) is SampleRecord and not e.meta.tags and e.meta.lane_id == lane
@@ -472,28 +481,50 @@ class PipelineIterator:
                 self.progress.close_refs(elem)
                 return
             if tags and tags.get(FLUSH_SENTINEL_TAG):
-                # A marker in the lane's queue: the epoch is done once the caller has
-                # received everything queued before it.
-                queue = self._queues[lane]
-                if queue:
-                    queue.append(elem)
-                else:
-                    self._settle(lane)
-                    self.progress.lanes[lane].sentinel_delivered(elem.meta.chunk_id)
+                self._route_sentinel(lane, elem.meta.chunk_id)
                 return
         else:
             lane = elem.lane_ids[0]
         self._queues[lane].append(elem)
+
+    def _route_sentinel(self, lane: int, boundary: int) -> None:
+        # A marker in the lane's queue: the epoch is done once the caller has
+        # received everything queued before it.
+        queue = self._queues[lane]
+        if queue:
+            queue.append(Sentinel(lane, boundary).record())
+        else:
+            self._settle(lane)
+            self.progress.lanes[lane].sentinel_delivered(boundary)
+
+    def _route_block(self, block: Block) -> None:
+        """A block of records: its tombstones are accounted, its data rows queued as records."""
+        lane = block.lane
+        data = block
+        if block.tomb is not None:
+            tombs = block.take(np.flatnonzero(block.tomb))
+            self._settle(lane)
+            self._stats.control_block(tombs)
+            self.progress.close_block(tombs)
+            if len(tombs) == len(block):
+                return
+            data = block.take(np.flatnonzero(~block.tomb))
+        self._queues[lane].extend(data.records())
 
     def _on_chunk(self, chunk: Chunk) -> None:
         self._settle(chunk.lane_id)
         self._stats.read(chunk, self._datasets)
         self.progress.register(chunk)
 
-    def _on_replay_drop(self, record: SampleRecord) -> None:
-        self._settle(record.meta.lane_id)
-        self._stats.dropped(record)
-        self.progress.replayed(record)
+    def _on_replay_drop(self, dropped: SampleRecord | Block) -> None:
+        if type(dropped) is Block:
+            self._settle(dropped.lane)
+            self._stats.dropped_block(dropped)
+            self.progress.replayed_block(dropped)
+            return
+        self._settle(dropped.meta.lane_id)
+        self._stats.dropped(dropped)
+        self.progress.replayed(dropped)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -800,11 +831,6 @@ _WARN_EXAMPLES = 5  # bad samples named in the skip warning
 _KEEP_BAD = 20  # bad samples kept for stats()
 
 
-def is_error_reason(reason: str) -> bool:
-    """Whether a tombstone reason means a bad sample skipped by ``on_error="skip"``."""
-    return reason.endswith("_error")
-
-
 class _RemoteStandIn(Operator):
     """Takes a remote stage's place in the local pool: nothing to set up, never run."""
 
@@ -850,7 +876,11 @@ class _Stats:
 
     def dropped(self, record: SampleRecord) -> None:
         """A replayed record the replay filter dropped (delivered before the checkpoint)."""
-        self._dropped[record.meta.lane_id] += _closes(record)
+        self._dropped[record.meta.lane_id] += close_count(record.meta)
+
+    def dropped_block(self, block: Block) -> None:
+        """:meth:`dropped` for a block of replayed rows."""
+        self._dropped[block.lane] += int(block.close_counts().sum())
 
     def delivered_plain(self, lane: int, records: list[SampleRecord]) -> None:
         """Plain records (no tags) of ``lane`` were delivered: each closes itself."""
@@ -858,18 +888,36 @@ class _Stats:
 
     def delivered(self, lane: int, item: Any) -> None:
         if type(item) is SampleRecord:
-            self._delivered[lane] += 1 if not item.meta.tags else _closes(item)
+            self._delivered[lane] += 1 if not item.meta.tags else close_count(item.meta)
+        elif type(item) is BlockBatch:
+            self._delivered[lane] += int(item.block.close_counts().sum())
         elif all(not r.meta.tags for r in item.records):  # plain records close themselves
             self._delivered[lane] += len(item.records)
         else:
-            self._delivered[lane] += sum(_closes(r) for r in item.records)
+            self._delivered[lane] += sum(close_count(r.meta) for r in item.records)
+
+    def control_block(self, block: Block) -> None:
+        """A block of tombstones reached the consumer."""
+        lane = block.lane
+        per_lane = self._tombstoned[lane]
+        closes = block.close_counts().tolist()
+        reasons = block.reason or [None] * len(block)
+        details = block.detail or [None] * len(block)
+        for i, (reason, count) in enumerate(zip(reasons, closes)):
+            reason = reason or "unknown"
+            per_lane[reason] = per_lane.get(reason, 0) + count
+            if is_error_reason(reason):
+                self.bad_total += count
+                self.bad_counts[reason] = self.bad_counts.get(reason, 0) + count
+                if len(self.bad) < _KEEP_BAD:
+                    self.bad.append((reason, tuple(block.ids[i, :3].tolist()), details[i]))
 
     def control(self, lane: int, record: SampleRecord) -> None:
         tags = record.meta.tags
         if tags.get(TOMBSTONE_TAG):
             reason = tags.get(TOMBSTONE_REASON_TAG, "unknown")
             per_lane = self._tombstoned[lane]
-            closes = _closes(record)
+            closes = close_count(record.meta)
             per_lane[reason] = per_lane.get(reason, 0) + closes
             if is_error_reason(reason):
                 self.bad_total += closes
@@ -921,14 +969,8 @@ class _VerifyingStats(_Stats):
 
     def _close(self, record: SampleRecord) -> None:
         meta = record.meta
-        lane = meta.lane_id
-        tags = meta.tags
-        if not tags or not tags.get(CONTRIBUTORS_TAG):  # a 1:1 record closes its own cursor
-            self._add((lane, meta.chunk_id, meta.chunk_offset))
-            return
-        for ref in tags[CONTRIBUTORS_TAG]:
-            if ref.is_last_child:
-                self._add((lane, ref.cursor.chunk_id, ref.cursor.chunk_offset))
+        for chunk_id, offset in closed_offsets(meta):
+            self._add((meta.lane_id, chunk_id, offset))
 
     def _add(self, key: tuple[int, int, int]) -> None:
         closed = self.closed
@@ -947,8 +989,24 @@ class _VerifyingStats(_Stats):
 
     def delivered(self, lane: int, item: Any) -> None:
         super().delivered(lane, item)
-        for record in (item.records if type(item) is SampleBatch else (item,)):
+        if type(item) is BlockBatch:
+            self._close_block(item.block)
+            return
+        for record in (item.records if isinstance(item, SampleBatch) else (item,)):
             self._close(record)
+
+    def _close_block(self, block: Block) -> None:
+        chunks, offsets = block.closed_offsets()
+        for chunk, offset in zip(chunks.tolist(), offsets.tolist()):
+            self._add((block.lane, chunk, offset))
+
+    def control_block(self, block: Block) -> None:
+        super().control_block(block)
+        self._close_block(block)
+
+    def dropped_block(self, block: Block) -> None:
+        super().dropped_block(block)
+        self._close_block(block)
 
     def control(self, lane: int, record: SampleRecord) -> None:
         super().control(lane, record)
@@ -958,11 +1016,3 @@ class _VerifyingStats(_Stats):
     def dropped(self, record: SampleRecord) -> None:
         super().dropped(record)
         self._close(record)
-
-
-def _closes(record: SampleRecord) -> int:
-    """How many base samples this record closes (last-child contributions)."""
-    tags = record.meta.tags
-    if not tags or "_contributors" not in tags:
-        return 1
-    return sum(1 for ref in record.meta.contribution_refs() if ref.is_last_child)

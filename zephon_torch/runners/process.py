@@ -1,28 +1,26 @@
-"""The process runner's pool: ``process_many`` in worker processes.
+"""The process runner's pool: micro-batches in worker processes.
 
-Every worker can run every stage. A micro-batch travels as one small
-message: the metas pickled together in one call, and for the payloads only
-:class:`~zephon_torch.runners.shm.BlockRef` handles to shared memory
-(``shm.py`` explains the blocks and why each side reads them as it does)::
+Every worker can run every stage. A micro-batch travels as one *unit*: a
+:class:`~zephon_torch.block.Block` (the common case: one lane's records as a
+few arrays) or a list of records and batches (user operators), pickled in
+one call with protocol 5, its array buffers written out of band into one
+shared-memory segment (``shm.py``), so that a block of tokens crosses as its
+identity, offset and value arrays, not as a pickle per record::
 
     driver thread (engine)        supervisor thread            worker k (spawned)
     ──────────────────────        ─────────────────            ──────────────────
-    submit(stage, micro-batch)
-      metas: field tuples, one pickle call
-      LazyPayload -> its ref (nothing read)
-      real payloads -> one new block
+    submit(stage, unit)
+      one pickle, buffers -> segment
       task -> least-loaded worker
-         outbox ─► feeder thread ── task pipe ───────────────► map the blocks (zero-copy)
-                                                               ops[stage].process_many
-                                  ◄──────────── result pipe ── metas + ref of a new block
-                                  SampleRecord(meta, LazyPayload(block, i))
-                                  future.set_result(...)
-    resolve(elems): payloads read from shared memory, once per block
+         outbox ─► feeder thread ── task pipe ───────────────► map the segment (zero-copy)
+                                                               run the stage's operator
+                                  ◄──────────── result pipe ── ref of a new segment
+                                  map it, unlink it
+                                  future.set_result(unit)
 
-Between two process stages the main process forwards refs and never
-unpickles a payload; :meth:`ProcessPool.resolve` is the only place it does.
-A record without a payload (a tombstone) comes back with ``None``, not a
-handle. Segments and ``pwrite`` make this runner POSIX-only (Linux, macOS).
+The main process reads each result segment once into memory of its own and
+unlinks it at once (``shm.py`` says why it copies). Segments and ``pwrite``
+make this runner POSIX-only (Linux, macOS).
 
 **Start-up.** Workers are started with the ``spawn`` method (``forkserver``
 on request), never a bare ``fork`` of a process whose threads (tokenizers,
@@ -66,11 +64,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import dataclasses
-import inspect
 import itertools
 import multiprocessing
-import operator
 import os
 import pickle
 import queue
@@ -83,11 +78,11 @@ from collections.abc import Sequence
 from multiprocessing import connection as mp_connection
 from typing import Any
 
+from zephon_torch.block import Block
 from zephon_torch.ops.base import OpContext, Operator, check_elements
 from zephon_torch.runners import shm
-from zephon_torch.runners.base import Pool
+from zephon_torch.runners.base import Pool, run_unit
 from zephon_torch.sources.base import thread_bytes_read
-from zephon_torch.types import SampleBatch, SampleMeta, SampleRecord
 
 __all__ = ["ProcessPool", "WorkerTraceback", "describe_exit"]
 
@@ -113,84 +108,6 @@ class WorkerTraceback(Exception):
 
     def __str__(self) -> str:
         return self.text
-
-
-# --------------------------------------------------------------------------- elements
-
-
-def _flatten(elems: Sequence[Any]) -> tuple[tuple[int, ...] | None, list[SampleRecord]]:
-    """Records in order, and the shape: -1 per record, ``n`` per batch of ``n``.
-
-    The shape is None when every element is a record (the common case).
-    """
-    records: list[SampleRecord] = []
-    shape: list[int] = []
-    batched = False
-    for elem in elems:
-        if isinstance(elem, SampleRecord):
-            records.append(elem)
-            shape.append(-1)
-        elif isinstance(elem, SampleBatch):
-            records.extend(elem.records)
-            shape.append(len(elem.records))
-            batched = True
-        else:
-            raise TypeError(
-                f"Unsupported element type: {type(elem).__name__}; micro-batches hold "
-                "SampleRecord or SampleBatch elements"
-            )
-    return (tuple(shape) if batched else None), records
-
-
-# Metas travel as tuples of their fields: a frozen slots dataclass pickles through
-# Python-level __getstate__/__setstate__, about 15 times slower than a plain tuple
-# (64 metas: ~200 us against ~13 us each way, and each hop pays it twice).
-_META_FIELDS = tuple(f.name for f in dataclasses.fields(SampleMeta))
-_meta_fields = operator.attrgetter(*_META_FIELDS)
-_META_POSITIONAL = tuple(inspect.signature(SampleMeta).parameters) == _META_FIELDS
-
-
-def _pack_metas(metas: list[Any]) -> tuple[bool, list[Any]]:
-    """``(True, field tuples)`` for plain SampleMeta objects, else ``(False, metas)``."""
-    if all(type(m) is SampleMeta for m in metas):
-        return True, [_meta_fields(m) for m in metas]
-    return False, metas
-
-
-def _unpack_metas(packed: tuple[bool, list[Any]]) -> list[Any]:
-    as_tuples, metas = packed
-    if not as_tuples:
-        return metas
-    if _META_POSITIONAL:
-        return [SampleMeta(*fields) for fields in metas]
-    return [SampleMeta(**dict(zip(_META_FIELDS, fields))) for fields in metas]
-
-
-def _rebuild(shape: tuple[int, ...] | None, records: list[SampleRecord]) -> list[Any]:
-    if shape is None:
-        return records
-    out: list[Any] = []
-    at = 0
-    for size in shape:
-        if size < 0:
-            out.append(records[at])
-            at += 1
-        else:
-            out.append(SampleBatch(records[at:at + size]))
-            at += size
-    return out
-
-
-def _resolved(elem: Any) -> Any:
-    if type(elem) is SampleRecord or isinstance(elem, SampleRecord):
-        payload = elem.payload
-        if type(payload) is shm.LazyPayload:
-            return SampleRecord(elem.meta, payload.load())
-        return elem
-    if isinstance(elem, SampleBatch):
-        if any(type(r.payload) is shm.LazyPayload for r in elem.records):
-            return SampleBatch(tuple(_resolved(r) for r in elem.records))
-    return elem
 
 
 # --------------------------------------------------------------------------- errors
@@ -361,50 +278,21 @@ def _worker_main(slot: int, tasks: Any, results: Any, directory: str, prefix: st
             return
 
 
-def _nested_lookup(sources: list[list[Any]]) -> Any:
-    """The ``persistent_load`` of a fresh block: a handle nested in a payload, stored
-    as ``(block number, index)``, becomes that payload of the task's source blocks."""
-    def lookup(pid: tuple[int, int]) -> Any:
-        return sources[pid[0]][pid[1]]
-
-    return lookup
-
-
 def _run_task(message: tuple, ops: list[Operator], names: list[str], writer: shm.Writer,
               directory: str, slot: int, pid: int) -> tuple[bytes, shm.BlockRef | None]:
-    _, task_id, stage, shape, packed, fresh_ref, lazy_refs, refs = message
+    _, task_id, stage, in_ref = message
     ref = None
     try:
-        metas = _unpack_metas(packed)
-        sources = [shm.load(r, directory, copy=False) for r in lazy_refs]
-        fresh = (shm.load(fresh_ref, directory, copy=False,
-                          persistent_load=_nested_lookup(sources) if sources else None)
-                 if fresh_ref is not None else None)
-        if refs is None:  # payload j is payload j of the only source
-            first = fresh if fresh is not None else (sources[0] if sources else [])
-            payloads = first[:len(metas)]
-        else:
-            payloads = [fresh[i] if k < 0 else sources[k][i] for k, i in refs]  # type: ignore[index]
-        del fresh, sources  # only the payloads in use keep their mappings alive
-        elems = _rebuild(shape, [SampleRecord(m, p) for m, p in zip(metas, payloads)])
-        del payloads
+        unit = shm.load(in_ref, directory, copy=False)[0]
         before = thread_bytes_read()
-        out = check_elements(ops[stage].process_many(elems), names[stage])
+        out = run_unit(ops[stage], unit)
         read = thread_bytes_read() - before  # what the readers read for this task
-        del elems
-        out_shape, records = _flatten(out)
-        payloads = [r.payload for r in records]
-        # Records without a payload (tombstones) come back as plain None, so that
-        # they never hold a block alive nor make the main process read one.
-        empty = tuple(i for i, p in enumerate(payloads) if p is None)
+        del unit  # its mapping goes once nothing of it is in use
+        if type(out) is not Block:
+            out = check_elements(out, names[stage])
         try:
-            ref = writer.dump(payloads) if len(empty) < len(payloads) else None
-            infos = [shm.describe(p) for p in payloads]
-            reply = pickle.dumps(
-                ("result", task_id, out_shape, _pack_metas([r.meta for r in records]), ref,
-                 empty, infos if any(i is not None for i in infos) else None, read),
-                protocol=_PROTOCOL,
-            )
+            ref = writer.dump([out])
+            reply = pickle.dumps(("result", task_id, ref, read), protocol=_PROTOCOL)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             writer.discard(ref)
             ref = None
@@ -422,17 +310,17 @@ def _run_task(message: tuple, ops: list[Operator], names: list[str], writer: shm
 
 
 class _Task:
-    """One submitted micro-batch: its message, its future, the blocks it reads."""
+    """One submitted micro-batch: its message, its future, the segment it reads."""
 
-    __slots__ = ("deaths", "future", "id", "inputs", "message", "stage")
+    __slots__ = ("deaths", "future", "id", "input", "message", "stage")
 
     def __init__(self, task_id: int, stage: int, message: bytes, future: cf.Future,
-                 inputs: list[shm.Block]) -> None:
+                 input_ref: shm.BlockRef) -> None:
         self.id = task_id
         self.stage = stage
         self.message = message
         self.future = future
-        self.inputs = inputs  # kept alive (segments kept) until the task is over
+        self.input = input_ref  # its segment stays until the task is over (a retry reads it)
         self.deaths = 0
 
 
@@ -481,14 +369,13 @@ class _Supervisor:
     """
 
     def __init__(self, init: bytes, names: list[str], num_workers: int, *, max_restarts: int,
-                 ledger: shm.Ledger, prefix: str, inline_limit: int, shutdown_timeout: float,
+                 directory: str, prefix: str, inline_limit: int, shutdown_timeout: float,
                  start_method: str, task_timeout: float | None = None) -> None:
         self.init = init
         self.names = names
         self.max_restarts = max_restarts
         self.task_timeout = task_timeout
-        self.ledger = ledger
-        self.directory = ledger.directory
+        self.directory = directory
         self.prefix = prefix
         self.inline_limit = inline_limit
         self.shutdown_timeout = shutdown_timeout
@@ -621,37 +508,45 @@ class _Supervisor:
                 if worker.in_flight:
                     worker.busy_since = time.monotonic()
         elif kind == "result":
-            _, task_id, shape, packed, ref, empty, infos, read = message
-            metas = _unpack_metas(packed)
+            _, task_id, ref, read = message
             if read:
                 with self.lock:
                     self.bytes_read += read
             with self.lock:
                 task = worker.in_flight.pop(task_id, None)
                 worker.busy_since = time.monotonic() if worker.in_flight else None
-            block_ = None
-            if ref is not None:
-                block_ = shm.Block(ref, self.ledger, tag=None if task is None else task.stage)
-            if task is not None and not task.future.done():
-                infos = infos if infos is not None else [None] * len(metas)
-                records = [SampleRecord(meta, shm.LazyPayload(block_, i, info))  # type: ignore[arg-type]
-                           for i, (meta, info) in enumerate(zip(metas, infos))]
-                for i in empty:
-                    records[i] = SampleRecord(metas[i], None)
-                with contextlib.suppress(cf.InvalidStateError):
-                    task.future.set_result(_rebuild(shape, records))
-            # otherwise the block dies here, and with it the segment
+            try:
+                unit = shm.load(ref, self.directory, copy=True)[0]
+            except BaseException as exc:
+                unit = None
+                error: BaseException | None = exc
+            else:
+                error = None
+            finally:
+                shm.unlink_ref(ref, self.directory)
+            if task is not None:
+                self.done(task)
+                if error is not None:
+                    _fail(task.future, error)
+                elif not task.future.done():
+                    with contextlib.suppress(cf.InvalidStateError):
+                        task.future.set_result(unit)
         elif kind == "error":
             _, task_id, blob, type_name, text_message, text = message
             with self.lock:
                 task = worker.in_flight.pop(task_id, None)
                 worker.busy_since = time.monotonic() if worker.in_flight else None
             if task is not None:
+                self.done(task)
                 _fail(task.future, _remote_error(blob, type_name, text_message, text))
         elif kind == "fatal":
             _, _, blob, type_name, text_message, text = message
             self._break(_remote_error(blob, type_name, text_message, text))
         return True
+
+    def done(self, task: _Task) -> None:
+        """A task is over: its input segment is no longer needed."""
+        shm.unlink_ref(task.input, self.directory)
 
     def _watchdog(self) -> float | None:
         """Kill workers stuck on one micro-batch past ``task_timeout``; seconds to the next check.
@@ -695,8 +590,7 @@ class _Supervisor:
             worker.in_flight.clear()
             self._retire(worker)
             # A worker that died mid-write leaves a segment nobody adopted.
-            shm.sweep_prefix(self.directory, f"{self.prefix}-{process.pid}-",
-                             keep=self.ledger.names())
+            shm.sweep_prefix(self.directory, f"{self.prefix}-{process.pid}-")
             if self.stopping or self.broken is not None:
                 return  # nothing to restart for; pending futures have been failed
             failed: list[tuple[_Task, BaseException]] = []
@@ -758,6 +652,7 @@ class _Supervisor:
                     tasks.extend(worker.in_flight.values())
                     worker.in_flight.clear()
         for task in tasks:
+            self.done(task)
             _fail(task.future, error)
 
     # ------------------------------------------------------------------ shutdown
@@ -834,7 +729,6 @@ class _Supervisor:
             if worker.alive:
                 worker.alive = False
                 self._retire(worker)
-        self.ledger.release_all()
         shm.sweep_prefix(self.directory, f"{self.prefix}-")
         _unwatch_sigterm(self)
         if thread is None or not thread.is_alive():
@@ -844,7 +738,7 @@ class _Supervisor:
 
 
 class ProcessPool(Pool):
-    """Runs ``process_many`` in worker processes (see the module doc).
+    """Runs micro-batches in worker processes (see the module doc).
 
     Args:
         ops: The compiled plan's operators, by stage index.
@@ -853,8 +747,8 @@ class ProcessPool(Pool):
         num_workers: Worker processes (each runs any stage).
         max_restarts: Deaths a micro-batch may cause before its future fails;
             also how many workers may die in a row before being ready.
-        inline_limit: Payload blocks of at most this many bytes travel in the
-            message instead of a shared-memory segment.
+        inline_limit: Units of at most this many bytes travel in the message
+            instead of a shared-memory segment.
         shutdown_timeout: Seconds :meth:`close` waits for workers to stop
             before terminating them.
         task_timeout: Seconds one micro-batch may run in a worker (None: no
@@ -868,10 +762,8 @@ class ProcessPool(Pool):
         TypeError: The operators cannot be pickled by cloudpickle.
     """
 
-    remote_payloads = True
-
     def __init__(self, ops: Sequence[Operator], ctxs: Sequence[OpContext], num_workers: int,
-                 *, max_restarts: int = 3, inline_limit: int = 1024,
+                 *, max_restarts: int = 3, inline_limit: int = 16 * 1024,
                  shutdown_timeout: float = 1.0, start_method: str = "spawn",
                  task_timeout: float | None = None) -> None:
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
@@ -910,12 +802,11 @@ class ProcessPool(Pool):
         shm.sweep_stale(directory)
         prefix = shm.new_prefix()
         self._names = [ctx.stage_name or f"stage {i}" for i, ctx in enumerate(ctxs)]
-        self._nested = [bool(op.nested_handles) for op in ops]
-        self._ledger = shm.Ledger(directory)
+        self._directory = directory
         self._writer = shm.Writer(directory, f"{prefix}-{os.getpid()}", inline_limit)
         self._ids = itertools.count()
         self._supervisor = _Supervisor(
-            init, self._names, num_workers, max_restarts=max_restarts, ledger=self._ledger,
+            init, self._names, num_workers, max_restarts=max_restarts, directory=directory,
             prefix=prefix, inline_limit=inline_limit, shutdown_timeout=shutdown_timeout,
             start_method=start_method, task_timeout=task_timeout,
         )
@@ -930,7 +821,7 @@ class ProcessPool(Pool):
     @property
     def directory(self) -> str:
         """Directory of the segments."""
-        return self._ledger.directory
+        return self._directory
 
     def bytes_read(self) -> int:
         """Bytes the workers' readers read for the micro-batches whose results came back
@@ -944,8 +835,8 @@ class ProcessPool(Pool):
             return [w.process.pid for w in self._supervisor.workers
                     if w is not None and w.alive]
 
-    def submit(self, stage_index: int, elems: list[Any]) -> cf.Future:
-        """Send ``elems`` to a worker; the future's result holds lazy payloads."""
+    def submit(self, stage_index: int, elems: Any) -> cf.Future:
+        """Send the micro-batch ``elems`` (a block or a list) to a worker."""
         future: cf.Future = cf.Future()
         if not 0 <= stage_index < len(self._names):
             future.set_exception(IndexError(
@@ -964,67 +855,18 @@ class ProcessPool(Pool):
         self._supervisor.dispatch(task)
         return future
 
-    def _task(self, stage: int, elems: list[Any], future: cf.Future) -> _Task:
-        shape, records = _flatten(elems)
-        blocks: list[shm.Block] = []
-        where: dict[int, int] = {}
-        refs: list[tuple[int, int]] = []
-        fresh: list[Any] = []
-        for record in records:
-            payload = record.payload
-            if type(payload) is shm.LazyPayload:
-                block = payload.block
-                if block.forwardable:  # forward the handle; the worker reads the data
-                    k = where.get(id(block))
-                    if k is None:
-                        k = where[id(block)] = len(blocks)
-                        blocks.append(block)
-                    refs.append((k, payload.index))
-                    continue
-                payload = payload.load()  # its segment is gone (a closed pool)
-            refs.append((-1, len(fresh)))
-            fresh.append(payload)
-        fresh_ref = None
+    def _task(self, stage: int, unit: Any, future: cf.Future) -> _Task:
         name = self._names[stage]
-
-        def forward(obj: Any) -> tuple[int, int] | None:
-            """A handle nested in a payload travels as (block number, index)."""
-            if type(obj) is not shm.LazyPayload:
-                return None
-            block = obj.block
-            if not block.forwardable:
-                raise RuntimeError(f"stage {name!r}: a nested payload handle refers to "
-                                   f"{block!r}, whose pool was closed")
-            k = where.get(id(block))
-            if k is None:
-                k = where[id(block)] = len(blocks)
-                blocks.append(block)
-            return (k, obj.index)
-
         try:
-            if fresh:
-                fresh_ref = self._writer.dump(fresh, forward if self._nested[stage] else None)
-            inputs = list(blocks)
-            if fresh_ref is not None:
-                inputs.append(shm.Block(fresh_ref, self._ledger))
-            first = refs[0][0] if refs else -1
-            in_order = all(r == (first, j) for j, r in enumerate(refs))
-            task_id = next(self._ids)
-            message = pickle.dumps(
-                ("task", task_id, stage, shape, _pack_metas([r.meta for r in records]), fresh_ref,
-                 tuple(b.ref for b in blocks), None if in_order else refs),
-                protocol=_PROTOCOL,
-            )
+            ref = self._writer.dump([unit])
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise TypeError(
                 f"stage {name!r}: a record of this micro-batch cannot be pickled for a "
                 f"worker process: {exc}"
             ) from exc
-        return _Task(task_id, stage, message, future, inputs)
-
-    def resolve(self, elems: list[Any]) -> list[Any]:
-        """Replace lazy payloads (in records and in batches) by real ones, same metas."""
-        return [_resolved(elem) for elem in elems]
+        task_id = next(self._ids)
+        message = pickle.dumps(("task", task_id, stage, ref), protocol=_PROTOCOL)
+        return _Task(task_id, stage, message, future, ref)
 
     def close(self) -> None:
         """Stop the workers, fail pending futures, unlink every segment; idempotent."""

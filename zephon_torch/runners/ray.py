@@ -86,18 +86,11 @@ from typing import Any
 
 import numpy as np
 
+from zephon_torch.block import Block
 from zephon_torch.ops.base import OpContext, Operator, check_elements
 from zephon_torch.ops.placement import Remote, placement_options
-from zephon_torch.runners.base import Pool
-from zephon_torch.runners.process import (
-    _error_message,
-    _flatten,
-    _pack_metas,
-    _rebuild,
-    _remote_error,
-    _unpack_metas,
-)
-from zephon_torch.types import SampleRecord
+from zephon_torch.runners.base import Pool, run_unit
+from zephon_torch.runners.process import _error_message, _remote_error
 
 __all__ = ["RayPool", "StageActor", "connect", "shutdown", "started_by_zephon"]
 
@@ -222,27 +215,23 @@ class StageActor:
         """The actor's process id (tests and diagnostics)."""
         return os.getpid()
 
-    def run(self, batch: tuple[Any, Any, list[Any]]) -> tuple[Any, ...]:
-        """``process_many`` on one micro-batch; an error is returned, never raised."""
+    def run(self, unit: Any) -> tuple[Any, ...]:
+        """One micro-batch (a block or a list); an error is returned, never raised."""
         if self._setup_error is not None:
             return ("error", self._setup_error)
-        shape, packed, payloads = batch
         try:
-            metas = _unpack_metas(packed)
-            elems = _rebuild(shape, [SampleRecord(m, p) for m, p in zip(metas, payloads)])
-            del payloads
-            out = check_elements(self._op.process_many(elems), self._name)
-            del elems
-            out_shape, records = _flatten(out)
+            out = run_unit(self._op, unit)
+            del unit
+            if type(out) is not Block:
+                out = check_elements(out, self._name)
             try:
-                stream, buffers = _dump_payloads([r.payload for r in records])
+                stream, buffers = _dump_payloads([out])
             except (pickle.PicklingError, TypeError, AttributeError) as exc:
                 raise TypeError(
                     f"stage {self._name!r} returned an element that cannot be pickled for the "
                     f"trip back to the driver: {exc}"
                 ) from exc
-            return ("result", out_shape, _pack_metas([r.meta for r in records]), stream,
-                    buffers)
+            return ("result", stream, buffers)
         except Exception as exc:
             header = f"Traceback of {self._where()}, stage {self._name!r}:"
             return ("error", _error_message("error", 0, exc, header))
@@ -256,10 +245,10 @@ class _Job:
 
     __slots__ = ("actor", "batch", "future", "input_ref", "ray_future", "ref", "stage")
 
-    def __init__(self, stage: _StageActors, batch: tuple[Any, Any, list[Any]],
+    def __init__(self, stage: _StageActors, batch: Any,
                  future: cf.Future) -> None:
         self.stage = stage
-        self.batch: tuple[Any, Any, list[Any]] | None = batch
+        self.batch: Any = batch
         self.future = future
         self.actor = -1
         self.input_ref: Any = None
@@ -373,11 +362,8 @@ class _Core:
                 _, blob, type_name, message, text = pickle.loads(reply[1])[1:]
                 _fail(job.future, _remote_error(blob, type_name, message, text))
                 return
-            _, shape, packed, stream, buffers = reply
-            payloads = _load_payloads(stream, buffers)
-            metas = _unpack_metas(packed)
-            records = [SampleRecord(m, p) for m, p in zip(metas, payloads)]
-            result = _rebuild(shape, records)
+            _, stream, buffers = reply
+            result = _load_payloads(stream, buffers)[0]
         except Exception as exc:
             error = RuntimeError(f"stage {stage.name!r}: could not read a reply from Ray: "
                                  f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
@@ -435,17 +421,13 @@ class RayPool(Pool):
         ops: The compiled plan's operators, by stage index.
         ctxs: Their contexts.
         stages: Indices of the stages placed on Ray.
-        upstream: The pool of the local stages; :meth:`resolve` defers to it,
-            so lazy payload handles of a process stage before a remote one
-            are read before they go to Ray.
+        upstream: Unused (kept for callers that pass the local pool).
 
     Raises:
         ValueError: A stage asks for more of a resource than the local Ray
             instance zephon started has.
         ImportError: Ray is not installed.
     """
-
-    remote_payloads = False  # replies are rebuilt as real, local payloads
 
     def __init__(self, ops: Sequence[Operator], ctxs: Sequence[OpContext],
                  stages: Sequence[int], *, upstream: Pool | None = None) -> None:
@@ -522,21 +504,8 @@ class RayPool(Pool):
                 f"stage index {stage_index} is not a remote stage of this pool "
                 f"(remote stages: {sorted(self._core.stages)})"))
             return future
-        try:
-            shape, records = _flatten(elems)
-            batch = (shape, _pack_metas([r.meta for r in records]),
-                     [r.payload for r in records])
-        except Exception as exc:
-            future.set_exception(exc)
-            return future
-        self._core.submit(stage, _Job(stage, batch, future))
+        self._core.submit(stage, _Job(stage, elems, future))
         return future
-
-    def resolve(self, elems: list[Any]) -> list[Any]:
-        """Lazy handles of an upstream process stage become real payloads."""
-        if self._upstream is None:
-            return elems
-        return self._upstream.resolve(elems)
 
     def close(self) -> None:
         """Fail pending futures, kill every actor, drop every reference; idempotent."""

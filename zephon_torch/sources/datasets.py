@@ -720,6 +720,53 @@ def _column_values(column: Any) -> list[Any]:
     return column.to_pylist()
 
 
+def _table_columns(table: Any, rows: np.ndarray) -> dict[str, Any] | None:
+    """Rows of a decoded row group as columns (see :meth:`ParquetDataset.read_columns`).
+
+    A list column of numbers becomes a :class:`~zephon_torch.block.Ragged`
+    column: each row's run of values copied from the row group's buffers
+    into one array of its own (no Arrow ``take``); other columns become
+    lists. None for a column that cannot be held so (nulls in a token
+    column, fixed-size lists).
+    """
+    import pyarrow as pa
+
+    from zephon_torch.block import Ragged
+
+    n = rows.size
+    contiguous = bool(n) and int(rows[-1]) - int(rows[0]) == n - 1 and bool(
+        (rows[1:] - rows[:-1] == 1).all())
+    out: dict[str, Any] = {}
+    for name, column in zip(table.column_names, table.columns):
+        kind = column.type
+        if pa.types.is_fixed_size_list(kind):
+            return None
+        if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _is_numeric(
+                kind.value_type):
+            arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+            if arr.null_count or arr.values.null_count:
+                return None
+            offsets = arr.offsets.to_numpy().astype(np.int64)
+            flat = arr.values.to_numpy(zero_copy_only=False)
+            starts, ends = offsets[rows], offsets[rows + 1]
+            lengths = ends - starts
+            new_offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(lengths, out=new_offsets[1:])
+            if contiguous:
+                values = flat[int(starts[0]):int(ends[-1])].copy()
+            elif n:  # one C-level copy of every row's run, laid end to end
+                values = np.concatenate([flat[a:b] for a, b in
+                                         zip(starts.tolist(), ends.tolist())])
+            else:
+                values = flat[:0].copy()
+            out[name] = Ragged(values, new_offsets)
+        elif contiguous:
+            out[name] = column.slice(int(rows[0]), n).to_pylist()
+        else:
+            out[name] = column.take(pa.array(rows)).to_pylist()
+    return out
+
+
 def _table_rows(table: Any, rows: np.ndarray) -> list[dict[str, Any]]:
     """One dict per requested row of a decoded row group."""
     import pyarrow as pa
@@ -930,6 +977,35 @@ class ParquetDataset(_FileDataset):
             for position, row in zip(where.tolist(), rows):
                 out[position] = row
         return out
+
+    def read_columns(self, shard_id: int, local_ids: Sequence[int]) -> dict[str, Any] | None:
+        """The rows ``local_ids`` (in that order) as columns, for a block of rows.
+
+        A list column of numbers without nulls becomes one
+        :class:`~zephon_torch.block.Ragged` column sliced from Arrow's
+        offsets (its values copied once, so they are writable and hold no
+        Arrow memory), with no Python per row; any other column becomes a
+        list of Python values. Row ``i`` of the columns is exactly what
+        :meth:`read` gives for it. None when a column cannot be held so (a
+        null list, a fixed-size list): the caller then reads rows.
+        """
+        from zephon_torch.block import concat_columns
+
+        ids = self._check_ids(shard_id, local_ids)
+        if not ids.size:
+            return None
+        bounds = self._bounds[shard_id]
+        groups = np.searchsorted(bounds, ids, side="right") - 1
+        cut = np.flatnonzero(groups[1:] != groups[:-1]) + 1
+        runs: list[dict[str, Any]] = []
+        for start, stop in zip([0, *cut.tolist()], [*cut.tolist(), ids.size]):
+            group = int(groups[start])
+            table = self._row_group(shard_id, group)
+            run = _table_columns(table, ids[start:stop] - bounds[group])
+            if run is None:
+                return None
+            runs.append(run)
+        return concat_columns(runs)
 
     def sample_bytes(self, shard_id: int, local_ids: np.ndarray) -> int:
         """Each row group's compressed size (of the columns read) spread over its rows."""

@@ -1,20 +1,21 @@
-"""Turning the schedule's chunks into records for the lanes a consumer owns.
+"""Turning the schedule's chunks into blocks for the lanes a consumer owns.
 
 The emitter walks the global chunk sequence, skips the chunks of lanes it does
 not own (their pointers are never computed), and turns each owned chunk into
-one record per pointer, with the meta the rest of the pipeline orders by::
+one :class:`~zephon_torch.block.Block` whose row ``i`` is the record::
 
     SampleMeta(sample_id=(dataset_id, shard_id, local_id), lane_id, chunk_id,
                chunk_offset=i, component_sample_counts={component: 1})
 
+built from the chunk's arrays with no per-sample Python for file sources.
 Payloads depend on the shard's access kind: the :data:`POINTER` marker for
 random-access files (``fetch`` reads them later, on the workers), the raw
 bytes for sequential (compressed) files, read here in order, and the item
 itself for in-memory data (an empty text becomes a tombstone at once).
 
 After every ``flush_every`` chunks of a lane, a flush sentinel for that lane
-follows, tagged with the boundary's ``chunk_id`` (the first chunk of the next
-epoch).
+follows the block (a :class:`~zephon_torch.block.Sentinel`), tagged with the
+boundary's ``chunk_id`` (the first chunk of the next epoch).
 """
 
 from __future__ import annotations
@@ -24,21 +25,17 @@ from typing import Any
 
 import numpy as np
 
-from zephon_torch.ops.base import tombstone
+from zephon_torch.block import Block, Sentinel
 from zephon_torch.sources.base import POINTER, Dataset
 from zephon_torch.sources.schedule import Chunk, ScheduleState, WorkSchedule
-from zephon_torch.types import FLUSH_SENTINEL_TAG, SampleMeta, SampleRecord
+from zephon_torch.types import SampleRecord
+from zephon_torch.vocab import empty_text_rows
 
 __all__ = ["SourceEmitter", "flush_sentinel"]
 
-_SENTINEL_ID = (-1, -1, -1)
-
-
 def flush_sentinel(lane_id: int, boundary_chunk_id: int) -> SampleRecord:
-    """A flush sentinel for ``lane_id`` at the epoch boundary ``boundary_chunk_id``."""
-    meta = SampleMeta(_SENTINEL_ID, lane_id, boundary_chunk_id, 0, None, None, (),
-                      {FLUSH_SENTINEL_TAG: True})
-    return SampleRecord(meta, None)
+    """A flush sentinel for ``lane_id`` at the epoch boundary ``boundary_chunk_id``, as a record."""
+    return Sentinel(lane_id, boundary_chunk_id).record()
 
 
 class _StreamReader:
@@ -62,7 +59,10 @@ class _StreamReader:
 
 
 class SourceEmitter:
-    """Yields, chunk by chunk, the records of the owned lanes in global order.
+    """Yields, chunk by chunk, the blocks of the owned lanes in global order.
+
+    Each item is a list of units: the chunk's block, then its lane's flush
+    sentinel when the chunk ends an epoch.
 
     Args:
         schedule: The work schedule.
@@ -97,7 +97,7 @@ class SourceEmitter:
         self.flush_every = flush_every
         self.on_chunk = on_chunk
         self.state = start if start is not None else schedule.initial_state()
-        self._counts = [{d.component_id: 1} for d in self.datasets]
+        self._components = np.array([d.component_id for d in self.datasets], dtype=np.int64)
         self._shards = [d.shards() for d in self.datasets]
         self._all_pointers = all(
             s.access == "pointer" for shards in self._shards for s in shards
@@ -109,10 +109,10 @@ class SourceEmitter:
         self.replayed_by_lane: dict[int, int] = {}
         self.finished = False
 
-    def __iter__(self) -> Iterator[list[SampleRecord]]:
+    def __iter__(self) -> Iterator[list[Any]]:
         return self
 
-    def __next__(self) -> list[SampleRecord]:
+    def __next__(self) -> list[Any]:
         while self._replay:
             chunk, _ = self.schedule.chunk(self._replay.pop(0))
             if chunk is not None:
@@ -139,13 +139,13 @@ class SourceEmitter:
             self.state = nxt
             return self._emit(chunk)
 
-    def _emit(self, chunk: Chunk) -> list[SampleRecord]:
+    def _emit(self, chunk: Chunk) -> list[Any]:
         if self.on_chunk is not None:
             self.on_chunk(chunk)
-        records = self.records(chunk)
+        units: list[Any] = [self.block(chunk)] if len(chunk) else []
         if self.flush_every and (chunk.chunk_id + 1) % self.flush_every == 0:
-            records.append(flush_sentinel(chunk.lane_id, chunk.chunk_id + 1))
-        return records
+            units.append(Sentinel(chunk.lane_id, chunk.chunk_id + 1))
+        return units
 
     def pending_replay(self, global_chunk: int) -> ScheduleState | None:
         """The start state of a chunk still waiting to be replayed, if it is one."""
@@ -169,43 +169,38 @@ class SourceEmitter:
         components, _ = self.schedule.advance(state)
         return None if components is None else state
 
-    def records(self, chunk: Chunk) -> list[SampleRecord]:
-        """The records of one chunk, in chunk order."""
-        lane_id, chunk_id = chunk.lane_id, chunk.chunk_id
-        counts = self._counts
+    def block(self, chunk: Chunk) -> Block:
+        """The block of one chunk, its rows in chunk order."""
+        n = len(chunk)
+        ids = np.empty((n, 5), dtype=np.int64)
+        ids[:, 0] = chunk.dataset_ids
+        ids[:, 1] = chunk.shard_ids
+        ids[:, 2] = chunk.local_ids
+        ids[:, 3] = chunk.chunk_id
+        ids[:, 4] = np.arange(n, dtype=np.int64)
+        component = self._components[chunk.dataset_ids]
+        if self._all_pointers:
+            return Block(chunk.lane_id, ids, payloads=[POINTER] * n, component=component)
         dataset_ids = chunk.dataset_ids.tolist()
         shard_ids = chunk.shard_ids.tolist()
         local_ids = chunk.local_ids.tolist()
-        if self._all_pointers:
-            payloads: list[Any] = [POINTER] * len(local_ids)
-        elif _single(chunk.dataset_ids) and _single(chunk.shard_ids) and \
+        if _single(chunk.dataset_ids) and _single(chunk.shard_ids) and \
                 self._shards[dataset_ids[0]][shard_ids[0]].access == "inline":
             payloads = self.datasets[dataset_ids[0]].read(shard_ids[0], local_ids)
         else:
             payloads = self._payloads(dataset_ids, shard_ids, local_ids)
-        if _single(chunk.dataset_ids):  # the common case: one dataset, one counts dict
-            d, count = dataset_ids[0], counts[dataset_ids[0]]
-            records = [
-                SampleRecord(SampleMeta((d, s, i), lane_id, chunk_id, offset, count), payload)
-                for offset, s, i, payload in zip(range(len(local_ids)), shard_ids, local_ids,
-                                                  payloads)
-            ]
-        else:
-            records = [
-                SampleRecord(SampleMeta((d, s, i), lane_id, chunk_id, offset, counts[d]),
-                             payload)
-                for offset, (d, s, i, payload) in enumerate(
-                    zip(dataset_ids, shard_ids, local_ids, payloads)
-                )
-            ]
-        if not self._all_pointers:
-            # An empty in-memory or streamed document is closed by a tombstone now.
-            empty = [i for i, p in enumerate(payloads)
-                     if type(p) is dict and type(t := p.get("text")) is str
-                     and (not t or t.isspace())]
-            for i in empty:
-                records[i] = tombstone(records[i], "empty")
-        return records
+        block = Block(chunk.lane_id, ids, payloads=payloads, component=component)
+        # An empty in-memory or streamed document is closed by a tombstone now.
+        empty = empty_text_rows(payloads)
+        if empty:
+            mask = np.zeros(n, dtype=bool)
+            mask[empty] = True
+            block = block.with_tombstones(mask, "empty")
+        return block
+
+    def records(self, chunk: Chunk) -> list[SampleRecord]:
+        """The records of one chunk, in chunk order (the block's views)."""
+        return self.block(chunk).records()
 
     def _payloads(self, dataset_ids: list[int], shard_ids: list[int],
                   local_ids: list[int]) -> list[Any]:

@@ -35,6 +35,7 @@ from zephon_torch.runners.engine import Engine, Stage
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.sources.emitter import SourceEmitter
 from zephon_torch.sources.schedule import Chunk, WorkSchedule
+from zephon_torch.topology import owned_lanes, resolve_topology
 from zephon_torch.types import SampleBatch, SampleRecord
 from zephon_torch.vocab import (
     FLUSH_SENTINEL_TAG,
@@ -49,6 +50,7 @@ from zephon_torch.vocab import (
 if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
 
+# resolve_topology (and owned_lanes) live in topology.py; they stay importable from here.
 __all__ = ["PipelineIterator", "resolve_topology"]
 
 _RUNNERS = ("inline", "threads", "process")
@@ -65,50 +67,6 @@ _IN_FLIGHT_EXTRA = 8
 #: Records handed over between two settlements of a lane's accounting.
 _SETTLE_EVERY = 256
 _TOKEN_PRODUCERS = frozenset({"tokenize", "tokenize_chat", "pack_flat", "pack_sequences"})
-
-
-def resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Rank and world size: explicit, else ``torch.distributed``, else the environment.
-
-    ``torch.distributed`` is consulted only if torch is already imported (a
-    job that initialised a process group has imported it), so the core never
-    imports torch itself.
-    """
-    if rank is not None and world_size is not None:
-        return int(rank), int(world_size)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        dist = getattr(torch, "distributed", None)
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return (dist.get_rank() if rank is None else int(rank),
-                    dist.get_world_size() if world_size is None else int(world_size))
-    env_rank = os.environ.get("RANK")
-    env_world = os.environ.get("WORLD_SIZE")
-    return (int(env_rank) if rank is None and env_rank is not None else int(rank or 0),
-            int(env_world) if world_size is None and env_world is not None
-            else int(world_size or 1))
-
-
-def owned_lanes(num_lanes: int, rank: int, world_size: int,
-                lanes: Sequence[int] | None = None) -> list[int]:
-    """The lanes of ``rank``: ``l % world_size == rank`` (or an explicit subset)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if world_size > num_lanes:
-        raise ValueError(
-            f"world_size {world_size} exceeds num_lanes {num_lanes}: every rank needs at "
-            f"least one lane; build the pipeline with num_lanes >= {world_size} (num_lanes is "
-            "fixed for the life of a training run and bounds how far it can scale)"
-        )
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
-    if lanes is not None:
-        chosen = sorted(set(int(lane) for lane in lanes))
-        bad = [lane for lane in chosen if not 0 <= lane < num_lanes]
-        if bad or not chosen:
-            raise ValueError(f"lanes={list(lanes)} must be a nonempty subset of 0..{num_lanes - 1}")
-        return chosen
-    return [lane for lane in range(num_lanes) if lane % world_size == rank]
 
 
 class PipelineIterator:

@@ -27,11 +27,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon_torch.block import Block, BlockBatch, Sentinel
-from zephon_torch.ops.base import OpContext, Operator
-from zephon_torch.ops.fused import parts_of
-from zephon_torch.ops.placement import placement_options
-from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
-from zephon_torch.runners.engine import Engine, Stage
+from zephon_torch.runners.assembly import (
+    make_engine,
+    make_pools,
+    make_stages,
+    remote_stages,
+    stage_contexts,
+)
+from zephon_torch.runners.base import Pool
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.sources.emitter import SourceEmitter
 from zephon_torch.sources.schedule import Chunk, WorkSchedule
@@ -54,19 +57,8 @@ if TYPE_CHECKING:
 __all__ = ["PipelineIterator", "resolve_topology"]
 
 _RUNNERS = ("inline", "threads", "process")
-#: Smallest default micro-batch of an elementwise stage under the process runner.
-_PROCESS_MICROBATCH = 512
-#: Micro-batches a stage may have out at once: this many per worker, plus the
-#: extra. The source is read only while every stage is below its bound, and the
-#: workers run their tasks in arrival order, so small downstream tasks (a
-#: packer's rows) queue behind big upstream ones (tokenizing 512 documents); a
-#: tight bound then stops the source while the workers still have work, and
-#: they idle. 2 per worker + 2 cost the 2-worker text job about 15% of its time.
-_IN_FLIGHT_PER_WORKER = 4
-_IN_FLIGHT_EXTRA = 8
 #: Records handed over between two settlements of a lane's accounting.
 _SETTLE_EVERY = 256
-_TOKEN_PRODUCERS = frozenset({"tokenize", "tokenize_chat", "pack_flat", "pack_sequences"})
 
 
 class PipelineIterator:
@@ -139,7 +131,7 @@ class PipelineIterator:
         self.lanes = owned_lanes(src.num_lanes, self.rank, self.world_size, lanes)
         self._closed = False
         self._pool: Pool | None = None
-        self._ray_pool = None
+        self._ray_pool: Pool | None = None
 
         self.schedule = WorkSchedule(
             src.datasets, chunk_size=src.chunk_size, num_lanes=src.num_lanes, seed=src.seed,
@@ -148,23 +140,13 @@ class PipelineIterator:
         )
         self._compiled = pipeline.compile(microbatch_sizes)
         self.stage_names = [c.name for c in self._compiled]
-        self._ctxs = self._contexts(self._compiled)
+        self._ctxs = stage_contexts(src, self.schedule, self._compiled, lanes=self.lanes,
+                                    rank=self.rank, world_size=self.world_size, runner=runner)
         # Stages placed on Ray: their own pool; the local pool gets a stand-in for each.
-        self._remote = [i for i, c in enumerate(self._compiled)
-                        if placement_options(c.op) is not None]
-        self._ray_pool: Pool | None = None
-        ops = [c.op for c in self._compiled]
-        self._pool = self._make_pool(
-            [_RemoteStandIn() if i in self._remote else op for i, op in enumerate(ops)],
-            self._ctxs)
-        if self._remote:
-            from zephon_torch.runners.ray import RayPool
-
-            try:
-                self._ray_pool = RayPool(ops, self._ctxs, self._remote, upstream=self._pool)
-            except BaseException:
-                self._pool.close()
-                raise
+        self._remote = remote_stages(self._compiled)
+        self._pool, self._ray_pool = make_pools(
+            self._compiled, self._ctxs, self._remote, runner=runner, num_workers=num_workers,
+            task_timeout=task_timeout)
         self.flush_every = pipeline.flush_every()
         self._fingerprint = pipeline.fingerprint()
         self._stage_names = pipeline.stage_names()
@@ -210,7 +192,9 @@ class PipelineIterator:
         start, lane_next, replay = None, {}, []
         if resume is not None:
             start, lane_next, replay = self._resume_plan(resume, replay_filter, key_from_json)
-        self.stages = self._make_stages(self._compiled, self._ctxs)
+        self.stages = make_stages(
+            self._compiled, self._ctxs, remote=self._remote, pool=self._pool,
+            ray_pool=self._ray_pool, runner=self.runner, deterministic=self.deterministic)
         self._replay_filter_stage = next(
             s for s in self.stages if isinstance(s.op, ReplayFilter))
         self.emitter = SourceEmitter(
@@ -219,82 +203,8 @@ class PipelineIterator:
         )
         if resume is not None and start is None:
             self.emitter.finished = True  # every lane's stream had ended
-        self.engine = Engine(self.emitter, self.stages, deterministic=self.deterministic,
-                             max_in_flight=_IN_FLIGHT_PER_WORKER * self.num_workers
-                             + _IN_FLIGHT_EXTRA)
-
-    # ------------------------------------------------------------------ set-up
-
-    def _contexts(self, compiled: list[Any]) -> list[OpContext]:
-        src = self.pipeline.source
-        weights: dict[int, float] = {}
-        for dataset, w in zip(src.datasets, self.schedule.weights):
-            weights[dataset.component_id] = weights.get(dataset.component_id, 0.0) + w
-        datasets = dict(enumerate(src.datasets))
-        ctxs = []
-        has_tokens = False
-        for i, c in enumerate(compiled):
-            plan = {"datasets": datasets, "num_components": len(weights),
-                    "has_tokens": has_tokens}
-            ctxs.append(OpContext(
-                num_lanes=src.num_lanes, lanes=tuple(self.lanes), rank=self.rank,
-                world_size=self.world_size, seed=src.seed, stage_index=i,
-                stage_name=c.name, microbatch_size=self._microbatch_size(c),
-                component_weights=weights if len(weights) > 1 else None, plan=plan,
-            ))
-            # Stages after one of these see token arrays (mixtures weigh by tokens).
-            has_tokens = has_tokens or any(op.name in _TOKEN_PRODUCERS for op in parts_of(c.op))
-        return ctxs
-
-    def _microbatch_size(self, c: Any) -> int | None:
-        """The stage's micro-batch size: the override, else the operator's default.
-
-        Under the process runner an elementwise stage without an override
-        takes at least ``_PROCESS_MICROBATCH`` elements: each micro-batch pays
-        a round trip to a worker, and an elementwise operator's output does
-        not depend on where micro-batches are cut.
-        """
-        if c.microbatch_size is not None or self.runner != "process" or c.local:
-            return c.microbatch_size
-        if not c.op.traits().elementwise or placement_options(c.op) is not None:
-            return None
-        return max(c.op.default_microbatch_size, _PROCESS_MICROBATCH)
-
-    def _make_pool(self, ops: list[Any], ctxs: list[OpContext]) -> Pool:
-        if self.runner == "inline":
-            return InlinePool(ops, ctxs)
-        if self.runner == "threads":
-            return ThreadPool(ops, ctxs, self.num_workers)
-        from zephon_torch.runners.process import ProcessPool
-
-        pool = ProcessPool(ops, ctxs, self.num_workers, task_timeout=self.task_timeout)
-        for op, ctx in zip(ops, ctxs):
-            if op.traits().inline:  # run on this thread: set up here too
-                op.setup(ctx)
-        return pool
-
-    def _make_stages(self, compiled: list[Any], ctxs: list[OpContext]) -> list[Stage]:
-        from zephon_torch.ops.batch import Batch
-
-        stages = []
-        before_batch = True  # the stream is records (blocks), not batches, here
-        for i, (c, ctx) in enumerate(zip(compiled, ctxs)):
-            acc = c.op.accumulator(deterministic=self.deterministic, ctx=ctx)
-            # Only batch(drop_last=True) may stall a sentinel: decided from the instance.
-            stalls = isinstance(c.op, Batch) and bool(c.op.drop_last)
-            blocks = before_batch and acc.takes_blocks and c.op.has_block_path()
-            before_batch = before_batch and not c.op.traits().produces_batches
-            if i in self._remote:  # on Ray
-                ray_pool: Any = self._ray_pool
-                stages.append(Stage(
-                    i, c.name, c.op, acc, ray_pool, local=False, stalls=stalls, blocks=blocks,
-                    max_in_flight=ray_pool.max_in_flight(i),
-                ))
-                continue
-            local = c.local or self.runner == "inline"
-            stages.append(Stage(i, c.name, c.op, acc, self._pool, local=local, stalls=stalls,
-                                blocks=blocks))
-        return stages
+        self.engine = make_engine(self.emitter, self.stages, deterministic=self.deterministic,
+                                  num_workers=self.num_workers)
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -787,15 +697,6 @@ class PipelineIterator:
 
 _WARN_EXAMPLES = 5  # bad samples named in the skip warning
 _KEEP_BAD = 20  # bad samples kept for stats()
-
-
-class _RemoteStandIn(Operator):
-    """Takes a remote stage's place in the local pool: nothing to set up, never run."""
-
-    name = "remote_stand_in"
-
-    def process_many(self, elems: Any) -> list[Any]:
-        raise RuntimeError("a remote stage's micro-batch reached the local pool (a zephon bug)")
 
 
 class _Stats:

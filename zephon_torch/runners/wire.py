@@ -42,10 +42,12 @@ __all__ = [
     "WorkerTraceback",
     "dump_unit",
     "error_message",
+    "exception_parts",
     "init_message",
     "load_unit",
     "remote_error",
     "result_message",
+    "revived_exception",
     "task_message",
 ]
 
@@ -127,27 +129,38 @@ def result_message(task_id: int, ref: shm.BlockRef, bytes_read: int) -> bytes:
     return pickle.dumps(("result", task_id, ref, bytes_read), protocol=PROTOCOL)
 
 
-def error_message(kind: str, task_id: int, exc: BaseException, header: str) -> bytes:
-    """An error reply: the pickled exception if it survives a round trip, and its text."""
-    text = f"{header}\n{''.join(traceback.format_exception(exc))}"
+def exception_parts(exc: BaseException) -> tuple[bytes | None, str, str]:
+    """What travels of an exception: itself pickled (None when it does not survive a round
+    trip), its type's full name and its message."""
     blob: bytes | None
     try:
         blob = pickle.dumps(exc, protocol=PROTOCOL)
         pickle.loads(blob)  # an exception whose __init__ breaks unpickling fails here
     except Exception:
         blob = None
-    kind_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return pickle.dumps((kind, task_id, blob, kind_name, str(exc), text), protocol=PROTOCOL)
+    return blob, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc)
+
+
+def revived_exception(blob: bytes | None) -> Any:
+    """What ``blob`` (from :func:`exception_parts`) unpickles to; None if it cannot."""
+    if blob is None:
+        return None
+    try:
+        return pickle.loads(blob)
+    except Exception:
+        return None
+
+
+def error_message(kind: str, task_id: int, exc: BaseException, header: str) -> bytes:
+    """An error reply: the pickled exception if it survives a round trip, and its text."""
+    text = f"{header}\n{''.join(traceback.format_exception(exc))}"
+    blob, kind_name, message = exception_parts(exc)
+    return pickle.dumps((kind, task_id, blob, kind_name, message, text), protocol=PROTOCOL)
 
 
 def remote_error(blob: bytes | None, type_name: str, message: str, text: str) -> BaseException:
     """The exception an error reply carries, to raise here, with the remote traceback."""
-    exc: Any = None
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)
-        except Exception:
-            exc = None
+    exc = revived_exception(blob)
     if not isinstance(exc, BaseException):
         exc = RuntimeError(
             f"{type_name}: {message} (raised in a zephon worker process; the exception "

@@ -32,6 +32,7 @@ import numpy as np
 
 from zephon_torch.accounting import Accounting
 from zephon_torch.block import Block, Sentinel
+from zephon_torch.checkpoint import ReplayFilter, fingerprint_parts, refuse_nondeterministic
 from zephon_torch.runners import resume
 from zephon_torch.runners.assembly import (
     make_engine,
@@ -171,8 +172,6 @@ class PipelineIterator:
     def _build(self, state: Mapping[str, Any] | None = None) -> None:
         """(Re)create the run: the books, accumulators, source and engine (``state``: a
         checked state to resume)."""
-        from zephon_torch.checkpoint import ReplayFilter
-
         self.accounting = Accounting(self.lanes, self.flush_every, self._datasets,
                                      verify=self.verify)
         # Bytes read from storage since this run started: on this thread (source and
@@ -418,8 +417,6 @@ class PipelineIterator:
             NotCheckpointableError: The iterator was made with
                 ``deterministic=False``, whose positions cannot be replayed.
         """
-        from zephon_torch.checkpoint import refuse_nondeterministic
-
         if not self.checkpointable:
             raise refuse_nondeterministic("state_dict()")
         with self._exclusive():
@@ -461,8 +458,6 @@ class PipelineIterator:
 
     def _parts(self) -> dict[str, str]:
         """The fingerprint's parts, as states carry them (a fresh copy each time)."""
-        from zephon_torch.checkpoint import fingerprint_parts
-
         if self._fingerprint_parts is None:
             self._fingerprint_parts = fingerprint_parts(self._fingerprint, self._stage_names)
         return dict(self._fingerprint_parts)

@@ -108,9 +108,11 @@ class LaneProgress:
     tombstoned: dict[str, int] = field(default_factory=dict)  # reason -> samples
 
     def epoch_of(self, chunk_id: int) -> int:
+        """The epoch of chunk ``chunk_id`` (the chunk itself when there are no sentinels)."""
         return chunk_id // self.flush_every if self.flush_every else chunk_id
 
     def register(self, chunk: Chunk) -> None:
+        """A chunk emitted for this lane: read, and open until its epoch is done."""
         size = len(chunk)
         self.read += size
         self.registered_until = max(self.registered_until, chunk.chunk_id + 1)
@@ -232,6 +234,7 @@ class SampleBook:
         self.strays: list[tuple[int, int, int]] = []
 
     def add(self, key: tuple[int, int, int]) -> None:
+        """One closed sample ``(lane, chunk_id, offset)``."""
         closed = self.closed
         before = len(closed)
         closed.add(key)
@@ -241,6 +244,7 @@ class SampleBook:
             self.strays.append(key)
 
     def add_arrays(self, lane: int, chunks: np.ndarray, offsets: np.ndarray) -> None:
+        """Closed samples of ``lane`` given as arrays of chunk ids and offsets."""
         for chunk, offset in zip(chunks.tolist(), offsets.tolist()):
             self.add((lane, chunk, offset))
 

@@ -1,7 +1,9 @@
 """The core must not pull in heavy frameworks at import time."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_import_zephon_torch_does_not_import_torch_lightning_or_ray() -> None:
@@ -30,3 +32,51 @@ def test_demo_runs_and_prints_training_tensors() -> None:
     assert "cu_seqlens: (4, " in result.stdout
     assert "runner=threads x2 vs inline: identical output" in result.stdout
     assert "400 documents read" in result.stdout
+
+
+_PACKAGE = Path(__file__).resolve().parent.parent / "zephon_torch"
+
+
+def _imported(path: Path, *, at_import_only: bool = False) -> set[str]:
+    """The absolute module names ``path`` imports (``from a import b`` gives ``a`` and ``a.b``).
+
+    With ``at_import_only``, only what runs when the module is imported: not
+    inside functions, not under ``if TYPE_CHECKING:``.
+    """
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            if at_import_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if (at_import_only and isinstance(child, ast.If)
+                    and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING"):
+                continue
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return names
+
+
+def _offenders(paths: list[Path], forbidden: str, *, at_import_only: bool = False) -> list[str]:
+    return [f"{path.relative_to(_PACKAGE.parent)} imports {name}"
+            for path in paths for name in sorted(_imported(path, at_import_only=at_import_only))
+            if name == forbidden or name.startswith(forbidden + ".")]
+
+
+def test_lower_layers_never_import_the_layers_above_them() -> None:
+    # The layering the package is built on: a lower module that imports a higher
+    # one brings back the import circles the bottom-level modules were made to break.
+    problems = [
+        *_offenders(sorted((_PACKAGE / "sources").rglob("*.py")), "zephon_torch.ops"),
+        *_offenders(sorted((_PACKAGE / "ops").rglob("*.py")), "zephon_torch.runners"),
+        *_offenders([_PACKAGE / "accounting.py"], "zephon_torch.runners"),
+        *_offenders([_PACKAGE / "topology.py", _PACKAGE / "vocab.py"], "zephon_torch"),
+        *_offenders([_PACKAGE / "types.py"], "zephon_torch._training", at_import_only=True),
+    ]
+    assert problems == []

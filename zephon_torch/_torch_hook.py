@@ -21,18 +21,7 @@ Whatever goes wrong in the hook (an unusual loader, a torch without
 ``register``) leaves torch's import untouched: the hook then does nothing,
 and only ``isinstance`` is affected, never the import.
 
-The module also knows how a torch ``DataLoader`` worker takes its share of a
-rank's lanes (:func:`worker_lanes`), which both ``Pipeline.__iter__`` and
-``zephon_torch.torch.TorchIterableDataset`` use. Worker ``w`` of ``N`` takes
-``rank_lanes[w::N]``; torch's loader asks its workers round-robin, so with
-four lanes and two workers::
-
-    worker 0: lanes 0, 2   -> 0 2 0 2 ...
-    worker 1: lanes 1, 3   -> 1 3 1 3 ...
-    loader:                -> 0 1 2 3 0 1 2 3 ...   (our own round-robin order)
-
-as long as the lanes produce equally (a lane that ends early shifts the two
-orders differently; neither duplicates nor drops anything).
+Which lanes a torch ``DataLoader`` worker takes is decided in ``topology.py``.
 """
 
 from __future__ import annotations
@@ -45,7 +34,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["install", "is_registered", "worker_info", "worker_lanes"]
+__all__ = ["install", "is_registered"]
 
 _TARGET = "torch.utils.data.dataset"
 _registered = False
@@ -119,50 +108,3 @@ class _DatasetFinder(importlib.abc.MetaPathFinder):
         except Exception:
             return None
 
-
-def worker_info() -> tuple[int, int] | None:
-    """``(worker_id, num_workers)`` inside a torch DataLoader worker, else None.
-
-    Looks only at modules already imported: a process that never imported
-    torch is not a torch worker, and asking must not import torch.
-    """
-    data = sys.modules.get("torch.utils.data")
-    get = getattr(data, "get_worker_info", None)
-    if get is None:
-        return None
-    info = get()
-    if info is None:
-        return None
-    return int(info.id), int(info.num_workers)
-
-
-def worker_lanes(num_lanes: int, rank: int | None = None, world_size: int | None = None,
-                 lanes: Sequence[int] | None = None) -> list[int] | None:
-    """This torch worker's share of the rank's lanes; None outside a worker.
-
-    Args:
-        num_lanes: The pipeline's lane count.
-        rank, world_size: The topology (default: detected, as ``Pipeline.iter``).
-        lanes: An explicit subset of lanes for the rank.
-
-    Returns:
-        None when not in a torch DataLoader worker; otherwise the lanes
-        ``rank_lanes[w::N]`` of worker ``w`` of ``N`` (empty when there are
-        more workers than lanes; worker 0 warns about it then).
-    """
-    info = worker_info()
-    if info is None:
-        return None
-    from zephon_torch.runners.iterator import owned_lanes, resolve_topology
-
-    worker_id, num_workers = info
-    rank, world_size = resolve_topology(rank, world_size)
-    rank_lanes = owned_lanes(num_lanes, rank, world_size, lanes)
-    if num_workers > len(rank_lanes) and worker_id == 0:  # one warning, not one per worker
-        warnings.warn(
-            f"the DataLoader has {num_workers} workers but this rank owns {len(rank_lanes)} "
-            f"lane(s): {num_workers - len(rank_lanes)} worker(s) will yield nothing; use at "
-            f"most {len(rank_lanes)} workers or build the pipeline with more lanes",
-            RuntimeWarning, stacklevel=3,
-        )
-    return rank_lanes[worker_id::num_workers]

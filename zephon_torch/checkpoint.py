@@ -1,11 +1,10 @@
-"""Checkpoints: progress accounting, the replay filter, states and their merge.
+"""Checkpoints: states, their checks and merge, and the replay filter.
 
-**Progress.** The consumer side counts, per lane, the base offsets closed by
-what the caller received (last-child contributions of delivered records)
-and by tombstones. A chunk whose every offset is closed is complete. Chunks
-are grouped in *epochs* (the ``flush_every_k_chunks`` chunks between two
-flush sentinels of a lane; one chunk each when there are no sentinels), and
-complete epochs are forgotten whole.
+**Progress** is kept by the iterator's books (``accounting.py``): per lane,
+the registered chunks, the epochs done (the ``flush_every_k_chunks``
+chunks between two flush sentinels of a lane; one chunk each when there
+are no sentinels) and the cursor of the last record delivered. A state is
+written from it (:func:`lane_state`).
 
 **A state** holds, per lane: the *replay cursor* (the cursor key of the
 last record delivered; for a batch, its last record), the *window* (the
@@ -51,18 +50,17 @@ import copy
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from zephon_torch.block import ID_CHUNK, Block, BlockBatch
+from zephon_torch.accounting import LaneProgress, ProgressTracker
+from zephon_torch.block import ID_CHUNK, Block
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
 from zephon_torch.sources.base import parse_content_table
-from zephon_torch.sources.schedule import Chunk, ScheduleState
+from zephon_torch.sources.schedule import ScheduleState
 from zephon_torch.types import SampleBatch, SampleRecord
-from zephon_torch.vocab import closed_offsets
 
 __all__ = [
     "ACCEPT_CHANGED_DATA",
@@ -108,272 +106,49 @@ def refuse_nondeterministic(action: str) -> NotCheckpointableError:
     )
 
 
-# ---------------------------------------------------------------------------- progress
+# ---------------------------------------------------------------------------- lane entries
 
 
-@dataclass
-class _ChunkProgress:
-    size: int
-    start: ScheduleState
-    closed: set[int] = field(default_factory=set)  # offsets: closing twice is harmless
+def lane_state(progress: LaneProgress,
+               next_state: Callable[[int, bool], ScheduleState | None],
+               num_lanes: int) -> dict[str, Any]:
+    """One lane's entry of a state, from its progress (see the module doc).
 
-
-@dataclass
-class LaneProgress:
-    """What one lane has registered and delivered, and which epochs are done.
-
-    With flush sentinels an epoch is done when the caller has received
-    everything that came before the epoch's sentinel (the sentinel follows
-    all of the epoch's output through every stage). Counting closed offsets
-    would not do: after a shuffle, a split document's last piece may be
-    delivered before an earlier piece. Without sentinels (order-preserving
-    plans) an epoch is one chunk, done when all its offsets are closed.
+    ``next_state(global_chunk, exhausted)`` gives the schedule state of a
+    chunk not registered (yet, or again after a resume); None when the
+    schedule has no more.
     """
-
-    lane: int
-    flush_every: int
-    chunks: dict[int, _ChunkProgress] = field(default_factory=dict)
-    done_epoch: int = 0  # epochs below this one are done
-    incomplete: dict[int, int] = field(default_factory=dict)  # no sentinels: chunk -> open
-    delivered_in_epoch: dict[int, int] = field(default_factory=dict)
-    cursor: tuple | None = None
-    cursor_epoch: int | None = None
-    outputs: int = 0
-    read: int = 0
-    finished: bool = False  # every output of the lane has been delivered
-    exhausted: bool = False  # the schedule has no new chunk for this lane
-    registered_until: int = 0  # the next chunk id to be registered
-
-    def epoch_of(self, chunk_id: int) -> int:
-        return chunk_id // self.flush_every if self.flush_every else chunk_id
-
-    def register(self, chunk: Chunk) -> None:
-        size = len(chunk)
-        self.read += size
-        self.registered_until = max(self.registered_until, chunk.chunk_id + 1)
-        self.chunks[chunk.chunk_id] = _ChunkProgress(size, chunk.start)
-        if not self.flush_every:
-            if size:
-                self.incomplete[chunk.chunk_id] = size
-            self._advance_by_closures()
-
-    def close(self, chunk_id: int, offset: int) -> None:
-        """An offset closed by a delivered last piece or a tombstone (no-sentinel plans)."""
-        if self.flush_every:
-            return
-        info = self.chunks.get(chunk_id)
-        if info is None or offset in info.closed:  # forgotten, or closed already
-            return
-        info.closed.add(offset)
-        if len(info.closed) == info.size:
-            self.incomplete.pop(chunk_id, None)
-            self._advance_by_closures()
-
-    def close_many(self, chunk_id: int, offsets: list[int]) -> None:
-        """:meth:`close` for several offsets of one chunk."""
-        if self.flush_every:
-            return
-        info = self.chunks.get(chunk_id)
-        if info is None:
-            return
-        info.closed.update(offsets)
-        if len(info.closed) == info.size:
-            self.incomplete.pop(chunk_id, None)
-            self._advance_by_closures()
-
-    def _advance_by_closures(self) -> None:
-        first_open = min(self.incomplete) if self.incomplete else self.registered_until
-        self._forget_before(first_open)
-
-    def sentinel_delivered(self, boundary_chunk_id: int) -> None:
-        """Everything before the sentinel of ``boundary_chunk_id`` has been delivered."""
-        self._forget_before(self.epoch_of(boundary_chunk_id))
-
-    def _forget_before(self, epoch: int) -> None:
-        if epoch <= self.done_epoch:
-            return
-        self.done_epoch = epoch
-        for cid in [c for c in self.chunks if self.epoch_of(c) < epoch]:
-            del self.chunks[cid]
-        for e in [e for e in self.delivered_in_epoch if e < epoch]:
-            del self.delivered_in_epoch[e]
-
-    def finish(self) -> None:
-        """The lane has ended and the caller has received all of its output."""
-        self.finished = True
-        self._forget_before(self.epoch_of(self.registered_until))
-
-    def delivered(self, record: SampleRecord, *, count_output: bool) -> None:
-        """A record the caller received (or, on replay, had received)."""
-        meta = record.meta
-        epoch = self.epoch_of(meta.chunk_id)
-        self.cursor = meta.as_cursor_key()
-        self.cursor_epoch = epoch
-        self.delivered_in_epoch[epoch] = self.delivered_in_epoch.get(epoch, 0) + 1
-        if count_output:
-            self.outputs += 1
-
-    def window(self) -> tuple[int, int] | None:
-        """First and last epoch to replay (None: nothing is inflight)."""
-        if self.finished:
-            return None
-        first = self.done_epoch
-        last = first
-        if self.cursor_epoch is not None and self.cursor_epoch > first:
-            last = self.cursor_epoch
-        return first, last
-
-    def snapshot(self, next_state: Callable[[int, bool], ScheduleState | None],
-                 num_lanes: int) -> dict[str, Any]:
-        """This lane's part of a state (``next_state(g)`` gives unregistered chunks' states)."""
-        span = self.window()
-        window: list[int] = []
-        cursor = None
-        count = 0
-        if span is not None:
-            first, last = span
-            window = sorted(c for c in self.chunks if first <= self.epoch_of(c) <= last)
-            if self.cursor_epoch is not None and self.cursor_epoch >= first:
-                cursor = _key_to_json(self.cursor)
-                count = sum(n for e, n in self.delivered_in_epoch.items() if first <= e <= last)
-        if self.finished:
-            nxt: ScheduleState | None = None
-        else:
-            next_chunk = window[-1] + 1 if window else self.registered_until
-            if next_chunk in self.chunks:  # registered already (a later epoch): known
-                nxt = self.chunks[next_chunk].start
-            else:  # still to be replayed, or new (None when the schedule has no more)
-                nxt = next_state(next_chunk * num_lanes + self.lane, self.exhausted)
-        boundaries = []
-        if window and self.flush_every:
-            boundaries = sorted({(c // self.flush_every) * self.flush_every for c in window})
-        return {
-            "window": [[c, *self.chunks[c].start.to_json()] for c in window],
-            "epoch_boundaries": boundaries,
-            "replay_cursor": cursor,
-            "replay_count": count,
-            "next": None if nxt is None else nxt.to_json(),
-            "outputs": self.outputs,
-        }
-
-
-class ProgressTracker:
-    """Per-lane progress of one iterator (see the module doc)."""
-
-    def __init__(self, lanes: Sequence[int], flush_every: int) -> None:
-        self.flush_every = flush_every
-        self.lanes = {lane: LaneProgress(lane, flush_every) for lane in lanes}
-
-    def register(self, chunk: Chunk) -> None:
-        self.lanes[chunk.lane_id].register(chunk)
-
-    def close_refs(self, record: SampleRecord) -> None:
-        """Close what ``record`` closes (its last-child contributions)."""
-        if self.flush_every:
-            return  # epochs end at sentinels: closures are not needed
-        meta = record.meta
-        lane = self.lanes[meta.lane_id]
-        for chunk_id, offset in closed_offsets(meta):
-            lane.close(chunk_id, offset)
-
-    def close_block(self, block: Block) -> None:
-        """Close what a block's rows close (tombstones reaching the consumer)."""
-        if self.flush_every:
-            return  # epochs end at sentinels: closures are not needed
-        lane = self.lanes[block.lane]
-        chunks, offsets = block.closed_offsets()
-        _close_grouped(lane, chunks, offsets)
-
-    def delivered_block(self, block: Block, *, outputs: int) -> None:
-        """The rows of ``block`` were received (as ``outputs`` items): close, count, move.
-
-        :meth:`delivered` for a block view, with array operations: no record is built.
-        """
-        if not len(block):
-            return
-        lane = self.lanes[block.lane]
-        chunk_ids = block.ids[:, ID_CHUNK]
-        k = self.flush_every
-        epochs = chunk_ids // k if k else chunk_ids
-        values, counts = np.unique(epochs, return_counts=True)
-        per_epoch = lane.delivered_in_epoch
-        for epoch, count in zip(values.tolist(), counts.tolist()):
-            per_epoch[epoch] = per_epoch.get(epoch, 0) + count
-        if not k:
-            chunks, offsets = block.closed_offsets()
-            _close_grouped(lane, chunks, offsets)
-        lane.cursor = block.cursor_key(len(block) - 1)
-        lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
-        lane.outputs += outputs
-
-    def replayed_block(self, block: Block) -> None:
-        """Replayed rows the filter dropped: the caller had received them before."""
-        self.delivered_block(block, outputs=0)
-
-    def delivered(self, item: Any) -> None:
-        """An item the caller received: close its offsets, move the replay cursor."""
-        if type(item) is BlockBatch:
-            self.delivered_block(item.block, outputs=1)
-            return
-        records = item.records if isinstance(item, SampleBatch) else (item,)
-        if not records:
-            return
-        lane_id = records[0].meta.lane_id
-        if all(not record.meta.tags for record in records):  # a batch of plain records
-            self.delivered_plain(lane_id, records, outputs=1)
-            return
-        lane = self.lanes[lane_id]
-        for record in records:
-            self.close_refs(record)
-            lane.delivered(record, count_output=False)
-        lane.outputs += 1
-
-    def delivered_plain(self, lane_id: int, items: Sequence[SampleRecord],
-                        outputs: int | None = None) -> None:
-        """Plain records (no tags) of one lane the caller received, in order.
-
-        :meth:`delivered` in bulk for the common case: one pass, no call per
-        record. ``outputs`` is the number of items handed over (default: one
-        per record; one for a batch).
-        """
-        lane = self.lanes[lane_id]
-        k = self.flush_every
-        counts = lane.delivered_in_epoch
-        if k:
-            for item in items:
-                epoch = item.meta.chunk_id // k
-                counts[epoch] = counts.get(epoch, 0) + 1
-        else:  # no sentinels: each record closes its own offset
-            offsets: dict[int, list[int]] = {}
-            for item in items:
-                meta = item.meta
-                group = offsets.get(meta.chunk_id)
-                if group is None:
-                    group = offsets[meta.chunk_id] = []
-                group.append(meta.chunk_offset)
-            for chunk_id, group in offsets.items():
-                counts[chunk_id] = counts.get(chunk_id, 0) + len(group)
-                lane.close_many(chunk_id, group)
-        last = items[-1].meta
-        lane.cursor = last.as_cursor_key()
-        lane.cursor_epoch = lane.epoch_of(last.chunk_id)
-        lane.outputs += len(items) if outputs is None else outputs
-
-    def replayed(self, record: SampleRecord) -> None:
-        """A replayed record the filter dropped: the caller had received it before."""
-        self.close_refs(record)
-        self.lanes[record.meta.lane_id].delivered(record, count_output=False)
-
-
-def _close_grouped(lane: LaneProgress, chunks: np.ndarray, offsets: np.ndarray) -> None:
-    """Close base offsets, one call per chunk."""
-    if not len(chunks):
-        return
-    order = np.argsort(chunks, kind="stable")
-    chunks, offsets = chunks[order], offsets[order]
-    cut = np.flatnonzero(chunks[1:] != chunks[:-1]) + 1
-    for start, stop in zip([0, *cut.tolist()], [*cut.tolist(), len(chunks)]):
-        lane.close_many(int(chunks[start]), offsets[start:stop].tolist())
+    span = progress.window()
+    window: list[int] = []
+    cursor = None
+    count = 0
+    chunks = progress.chunks
+    if span is not None:
+        first, last = span
+        window = sorted(c for c in chunks if first <= progress.epoch_of(c) <= last)
+        if progress.cursor_epoch is not None and progress.cursor_epoch >= first:
+            cursor = _key_to_json(progress.cursor)
+            count = sum(n for e, n in progress.delivered_in_epoch.items() if first <= e <= last)
+    if progress.finished:
+        nxt: ScheduleState | None = None
+    else:
+        next_chunk = window[-1] + 1 if window else progress.registered_until
+        if next_chunk in chunks:  # registered already (a later epoch): known
+            nxt = chunks[next_chunk].start
+        else:  # still to be replayed, or new (None when the schedule has no more)
+            nxt = next_state(next_chunk * num_lanes + progress.lane, progress.exhausted)
+    boundaries = []
+    k = progress.flush_every
+    if window and k:
+        boundaries = sorted({(c // k) * k for c in window})
+    return {
+        "window": [[c, *chunks[c].start.to_json()] for c in window],
+        "epoch_boundaries": boundaries,
+        "replay_cursor": cursor,
+        "replay_count": count,
+        "next": None if nxt is None else nxt.to_json(),
+        "outputs": progress.outputs,
+    }
 
 
 def _key_to_json(key: tuple) -> list[Any]:

@@ -64,19 +64,18 @@ def assert_conserved(iterator: PipelineIterator) -> dict[str, Any]:
                 f"(delivered {counts['delivered']}, tombstoned {counts['tombstoned']}, "
                 f"replay_dropped {counts['replay_dropped']}): {what}"
             )
-    detail = getattr(iterator, "_stats", None)
-    duplicates = getattr(detail, "duplicates", None)
-    if duplicates:
-        problems.append(f"{len(duplicates)} sample(s) closed twice, first (lane, chunk, "
-                        f"offset) {duplicates[:5]}")
-    strays = getattr(detail, "strays", None)
-    if strays:
-        problems.append(f"{len(strays)} sample(s) closed that no chunk of this pass read, "
-                        f"first (lane, chunk, offset) {strays[:5]}")
-    if detail is not None and hasattr(detail, "closed"):
-        expected = sum(detail.chunks.values())
-        if duplicates == [] and strays == [] and len(detail.closed) != expected:
-            problems.append(f"{expected} samples read but {len(detail.closed)} distinct ones "
+    book = iterator.accounting.samples  # every closed sample, with verify=True
+    if book is not None:
+        duplicates, strays = book.duplicates, book.strays
+        if duplicates:
+            problems.append(f"{len(duplicates)} sample(s) closed twice, first (lane, chunk, "
+                            f"offset) {duplicates[:5]}")
+        if strays:
+            problems.append(f"{len(strays)} sample(s) closed that no chunk of this pass read, "
+                            f"first (lane, chunk, offset) {strays[:5]}")
+        expected = sum(book.chunks.values())
+        if not duplicates and not strays and len(book.closed) != expected:
+            problems.append(f"{expected} samples read but {len(book.closed)} distinct ones "
                             "closed")
     if problems:
         raise ConservationError(

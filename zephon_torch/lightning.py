@@ -80,7 +80,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 
 from zephon_torch.checkpoint import merge_states
 from zephon_torch.pipeline import Pipeline
-from zephon_torch.runners.iterator import resolve_topology
+from zephon_torch.topology import resolve_topology
 from zephon_torch.torch.loader import DataLoader
 
 __all__ = ["ZephonDataModule", "ZephonStream"]

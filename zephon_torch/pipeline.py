@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from zephon_torch.ops.base import Operator
 from zephon_torch.sources.base import Dataset
 from zephon_torch.sources.schedule import block_layout
+from zephon_torch.topology import worker_lanes
 
 if TYPE_CHECKING:
     from zephon_torch.runners.iterator import PipelineIterator
@@ -525,9 +526,7 @@ class Pipeline:
 
     def __iter__(self) -> Iterator[Any]:
         # Inside a torch DataLoader worker, take this worker's share of the lanes
-        # (the check never imports torch; see _torch_hook.py).
-        from zephon_torch._torch_hook import worker_lanes
-
+        # (the check never imports torch; see topology.py).
         share = worker_lanes(self._source.num_lanes)
         if share is None:
             return self.iter()

@@ -1,15 +1,20 @@
 """The consumer side: the iterator ``Pipeline.iter()`` returns.
 
-It builds everything a run needs (the lanes this rank owns, the source
-emitter, the compiled stages with their accumulators, the worker pool, the
-engine) and hands out data in a fixed order: the rank's lanes round-robin in
-ascending lane order, a lane that has ended being skipped. Each lane's output
-depends only on the lane's input, so that order, and every byte, is the same
-whatever the runner, the worker count or the micro-batch sizes.
+It builds everything a run needs (the lanes this rank owns, from
+``topology.py``; the compiled stages with their accumulators, the worker
+pools and the engine, from ``assembly.py``; the source emitter) and hands out
+data in a fixed order: the rank's lanes round-robin in ascending lane order,
+a lane that has ended being skipped. Each lane's output depends only on the
+lane's input, so that order, and every byte, is the same whatever the runner,
+the worker count or the micro-batch sizes.
 
-Control records never reach the caller: tombstones and flush sentinels are
-counted here (every input sample is either delivered inside some output or
-closed by a tombstone) and dropped.
+This module is the consumer loop: it pumps the engine, routes what comes out
+to per-lane queues, hands items over and reports each event once to the
+run's books (``accounting.py``). Control records never reach the caller:
+tombstones and flush sentinels are accounted there (every input sample is
+either delivered inside some output or closed by a tombstone) and dropped.
+Saving and loading a position (``state_dict``/``load_state_dict``) go
+through ``resume.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import sys
 import threading
 import warnings
 from collections import deque
@@ -26,89 +30,36 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon_torch.block import Block, BlockBatch, Sentinel
-from zephon_torch.ops.base import OpContext, Operator
-from zephon_torch.ops.fused import parts_of
-from zephon_torch.ops.placement import placement_options
-from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
-from zephon_torch.runners.engine import Engine, Stage
+from zephon_torch.accounting import Accounting
+from zephon_torch.block import Block, Sentinel
+from zephon_torch.checkpoint import ReplayFilter, fingerprint_parts, refuse_nondeterministic
+from zephon_torch.runners import resume
+from zephon_torch.runners.assembly import (
+    make_engine,
+    make_pools,
+    make_stages,
+    remote_stages,
+    stage_contexts,
+)
+from zephon_torch.runners.base import Pool
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.sources.emitter import SourceEmitter
 from zephon_torch.sources.schedule import Chunk, WorkSchedule
+from zephon_torch.topology import owned_lanes, resolve_topology
 from zephon_torch.types import SampleBatch, SampleRecord
-from zephon_torch.vocab import (
-    FLUSH_SENTINEL_TAG,
-    TOMBSTONE_DETAIL_TAG,
-    TOMBSTONE_REASON_TAG,
-    TOMBSTONE_TAG,
-    close_count,
-    closed_offsets,
-    is_error_reason,
-)
+from zephon_torch.vocab import FLUSH_SENTINEL_TAG, TOMBSTONE_TAG
 
 if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
 
+# resolve_topology (and owned_lanes) live in topology.py; they stay importable from here.
 __all__ = ["PipelineIterator", "resolve_topology"]
 
 _RUNNERS = ("inline", "threads", "process")
-#: Smallest default micro-batch of an elementwise stage under the process runner.
-_PROCESS_MICROBATCH = 512
-#: Micro-batches a stage may have out at once: this many per worker, plus the
-#: extra. The source is read only while every stage is below its bound, and the
-#: workers run their tasks in arrival order, so small downstream tasks (a
-#: packer's rows) queue behind big upstream ones (tokenizing 512 documents); a
-#: tight bound then stops the source while the workers still have work, and
-#: they idle. 2 per worker + 2 cost the 2-worker text job about 15% of its time.
-_IN_FLIGHT_PER_WORKER = 4
-_IN_FLIGHT_EXTRA = 8
 #: Records handed over between two settlements of a lane's accounting.
 _SETTLE_EVERY = 256
-_TOKEN_PRODUCERS = frozenset({"tokenize", "tokenize_chat", "pack_flat", "pack_sequences"})
-
-
-def resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Rank and world size: explicit, else ``torch.distributed``, else the environment.
-
-    ``torch.distributed`` is consulted only if torch is already imported (a
-    job that initialised a process group has imported it), so the core never
-    imports torch itself.
-    """
-    if rank is not None and world_size is not None:
-        return int(rank), int(world_size)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        dist = getattr(torch, "distributed", None)
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return (dist.get_rank() if rank is None else int(rank),
-                    dist.get_world_size() if world_size is None else int(world_size))
-    env_rank = os.environ.get("RANK")
-    env_world = os.environ.get("WORLD_SIZE")
-    return (int(env_rank) if rank is None and env_rank is not None else int(rank or 0),
-            int(env_world) if world_size is None and env_world is not None
-            else int(world_size or 1))
-
-
-def owned_lanes(num_lanes: int, rank: int, world_size: int,
-                lanes: Sequence[int] | None = None) -> list[int]:
-    """The lanes of ``rank``: ``l % world_size == rank`` (or an explicit subset)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if world_size > num_lanes:
-        raise ValueError(
-            f"world_size {world_size} exceeds num_lanes {num_lanes}: every rank needs at "
-            f"least one lane; build the pipeline with num_lanes >= {world_size} (num_lanes is "
-            "fixed for the life of a training run and bounds how far it can scale)"
-        )
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
-    if lanes is not None:
-        chosen = sorted(set(int(lane) for lane in lanes))
-        bad = [lane for lane in chosen if not 0 <= lane < num_lanes]
-        if bad or not chosen:
-            raise ValueError(f"lanes={list(lanes)} must be a nonempty subset of 0..{num_lanes - 1}")
-        return chosen
-    return [lane for lane in range(num_lanes) if lane % world_size == rank]
+#: Bad samples named in the skip warning.
+_WARN_EXAMPLES = 5
 
 
 class PipelineIterator:
@@ -181,7 +132,7 @@ class PipelineIterator:
         self.lanes = owned_lanes(src.num_lanes, self.rank, self.world_size, lanes)
         self._closed = False
         self._pool: Pool | None = None
-        self._ray_pool = None
+        self._ray_pool: Pool | None = None
 
         self.schedule = WorkSchedule(
             src.datasets, chunk_size=src.chunk_size, num_lanes=src.num_lanes, seed=src.seed,
@@ -190,23 +141,13 @@ class PipelineIterator:
         )
         self._compiled = pipeline.compile(microbatch_sizes)
         self.stage_names = [c.name for c in self._compiled]
-        self._ctxs = self._contexts(self._compiled)
+        self._ctxs = stage_contexts(src, self.schedule, self._compiled, lanes=self.lanes,
+                                    rank=self.rank, world_size=self.world_size, runner=runner)
         # Stages placed on Ray: their own pool; the local pool gets a stand-in for each.
-        self._remote = [i for i, c in enumerate(self._compiled)
-                        if placement_options(c.op) is not None]
-        self._ray_pool: Pool | None = None
-        ops = [c.op for c in self._compiled]
-        self._pool = self._make_pool(
-            [_RemoteStandIn() if i in self._remote else op for i, op in enumerate(ops)],
-            self._ctxs)
-        if self._remote:
-            from zephon_torch.runners.ray import RayPool
-
-            try:
-                self._ray_pool = RayPool(ops, self._ctxs, self._remote, upstream=self._pool)
-            except BaseException:
-                self._pool.close()
-                raise
+        self._remote = remote_stages(self._compiled)
+        self._pool, self._ray_pool = make_pools(
+            self._compiled, self._ctxs, self._remote, runner=runner, num_workers=num_workers,
+            task_timeout=task_timeout)
         self.flush_every = pipeline.flush_every()
         self._fingerprint = pipeline.fingerprint()
         self._stage_names = pipeline.stage_names()
@@ -228,13 +169,11 @@ class PipelineIterator:
         self._loaded: Mapping[str, Any] = {"lanes": {}}
         self._build()
 
-    def _build(self, resume: Mapping[str, Any] | None = None) -> None:
-        """(Re)create the run: progress, accumulators, source and engine."""
-        from zephon_torch.checkpoint import ProgressTracker, ReplayFilter, key_from_json
-
-        src = self.pipeline.source
-        self.progress = ProgressTracker(self.lanes, self.flush_every)
-        self._stats = (_VerifyingStats if self.verify else _Stats)(self.lanes)
+    def _build(self, state: Mapping[str, Any] | None = None) -> None:
+        """(Re)create the run: the books, accumulators, source and engine (``state``: a
+        checked state to resume)."""
+        self.accounting = Accounting(self.lanes, self.flush_every, self._datasets,
+                                     verify=self.verify)
         # Bytes read from storage since this run started: on this thread (source and
         # local stages, counted around each pump) and by the pools' own workers.
         self._driver_bytes = 0
@@ -249,94 +188,33 @@ class PipelineIterator:
         replay_filter = next(c.op for c in self._compiled if isinstance(c.op, ReplayFilter))
         replay_filter.targets = {}
         replay_filter.on_drop = self._on_replay_drop
-        start, lane_next, replay = None, {}, []
-        if resume is not None:
-            start, lane_next, replay = self._resume_plan(resume, replay_filter, key_from_json)
-        self.stages = self._make_stages(self._compiled, self._ctxs)
+        plan = None
+        if state is not None:
+            plan = resume.plan_resume(
+                state, lanes=self.lanes, num_lanes=self.pipeline.source.num_lanes,
+                accounting=self.accounting, replay_targets=replay_filter.targets)
+            self._rr = plan.round_robin
+        self.stages = make_stages(
+            self._compiled, self._ctxs, remote=self._remote, pool=self._pool,
+            ray_pool=self._ray_pool, runner=self.runner, deterministic=self.deterministic)
         self._replay_filter_stage = next(
             s for s in self.stages if isinstance(s.op, ReplayFilter))
         self.emitter = SourceEmitter(
-            self.schedule, src.datasets, lanes=self.lanes, flush_every=self.flush_every,
-            on_chunk=self._on_chunk, start=start, lane_next=lane_next, replay=replay,
+            self.schedule, self.pipeline.source.datasets, lanes=self.lanes,
+            flush_every=self.flush_every,
+            on_chunk=self._on_chunk, start=None if plan is None else plan.start,
+            lane_next={} if plan is None else plan.lane_next,
+            replay=[] if plan is None else plan.replay,
         )
-        if resume is not None and start is None:
+        if plan is not None and plan.start is None:
             self.emitter.finished = True  # every lane's stream had ended
-        self.engine = Engine(self.emitter, self.stages, deterministic=self.deterministic,
-                             max_in_flight=_IN_FLIGHT_PER_WORKER * self.num_workers
-                             + _IN_FLIGHT_EXTRA)
+        self.engine = make_engine(self.emitter, self.stages, deterministic=self.deterministic,
+                                  num_workers=self.num_workers)
 
-    # ------------------------------------------------------------------ set-up
-
-    def _contexts(self, compiled: list[Any]) -> list[OpContext]:
-        src = self.pipeline.source
-        weights: dict[int, float] = {}
-        for dataset, w in zip(src.datasets, self.schedule.weights):
-            weights[dataset.component_id] = weights.get(dataset.component_id, 0.0) + w
-        datasets = dict(enumerate(src.datasets))
-        ctxs = []
-        has_tokens = False
-        for i, c in enumerate(compiled):
-            plan = {"datasets": datasets, "num_components": len(weights),
-                    "has_tokens": has_tokens}
-            ctxs.append(OpContext(
-                num_lanes=src.num_lanes, lanes=tuple(self.lanes), rank=self.rank,
-                world_size=self.world_size, seed=src.seed, stage_index=i,
-                stage_name=c.name, microbatch_size=self._microbatch_size(c),
-                component_weights=weights if len(weights) > 1 else None, plan=plan,
-            ))
-            # Stages after one of these see token arrays (mixtures weigh by tokens).
-            has_tokens = has_tokens or any(op.name in _TOKEN_PRODUCERS for op in parts_of(c.op))
-        return ctxs
-
-    def _microbatch_size(self, c: Any) -> int | None:
-        """The stage's micro-batch size: the override, else the operator's default.
-
-        Under the process runner an elementwise stage without an override
-        takes at least ``_PROCESS_MICROBATCH`` elements: each micro-batch pays
-        a round trip to a worker, and an elementwise operator's output does
-        not depend on where micro-batches are cut.
-        """
-        if c.microbatch_size is not None or self.runner != "process" or c.local:
-            return c.microbatch_size
-        if not c.op.traits().elementwise or placement_options(c.op) is not None:
-            return None
-        return max(c.op.default_microbatch_size, _PROCESS_MICROBATCH)
-
-    def _make_pool(self, ops: list[Any], ctxs: list[OpContext]) -> Pool:
-        if self.runner == "inline":
-            return InlinePool(ops, ctxs)
-        if self.runner == "threads":
-            return ThreadPool(ops, ctxs, self.num_workers)
-        from zephon_torch.runners.process import ProcessPool
-
-        pool = ProcessPool(ops, ctxs, self.num_workers, task_timeout=self.task_timeout)
-        for op, ctx in zip(ops, ctxs):
-            if op.traits().inline:  # run on this thread: set up here too
-                op.setup(ctx)
-        return pool
-
-    def _make_stages(self, compiled: list[Any], ctxs: list[OpContext]) -> list[Stage]:
-        from zephon_torch.ops.batch import Batch
-
-        stages = []
-        before_batch = True  # the stream is records (blocks), not batches, here
-        for i, (c, ctx) in enumerate(zip(compiled, ctxs)):
-            acc = c.op.accumulator(deterministic=self.deterministic, ctx=ctx)
-            # Only batch(drop_last=True) may stall a sentinel: decided from the instance.
-            stalls = isinstance(c.op, Batch) and bool(c.op.drop_last)
-            blocks = before_batch and acc.takes_blocks and c.op.has_block_path()
-            before_batch = before_batch and not c.op.traits().produces_batches
-            if i in self._remote:  # on Ray
-                ray_pool: Any = self._ray_pool
-                stages.append(Stage(
-                    i, c.name, c.op, acc, ray_pool, local=False, stalls=stalls, blocks=blocks,
-                    max_in_flight=ray_pool.max_in_flight(i),
-                ))
-                continue
-            local = c.local or self.runner == "inline"
-            stages.append(Stage(i, c.name, c.op, acc, self._pool, local=local, stalls=stalls,
-                                blocks=blocks))
-        return stages
+    @property
+    def progress(self) -> Accounting:
+        """The run's books (per-lane progress under ``lanes``); see ``accounting.py``."""
+        return self.accounting
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -398,7 +276,7 @@ class PipelineIterator:
                         if not queues[other] and other not in self._ended:
                             self._settle(other)
                             self._ended.add(other)
-                            self.progress.lanes[other].finish()
+                            self.accounting.lane_ended(other)
 
     def _deliver(self, lane: int, queue: deque[Any]) -> Any:
         self._rr = (self._rr + 1) % len(self.lanes)
@@ -410,8 +288,7 @@ class PipelineIterator:
                 self._settle(lane)
         else:  # a batch or a tagged record: settle what came before, then count it
             self._settle(lane)
-            self._stats.delivered(lane, item)
-            self.progress.delivered(item)
+            self.accounting.delivered(lane, item)
         if queue and type(queue[0]) is SampleRecord and queue[0].meta.tags:
             self._drain_sentinels(lane, queue)
         return item
@@ -428,8 +305,7 @@ class PipelineIterator:
         owed = self._owed[lane]
         if owed:
             self._owed[lane] = []
-            self._stats.delivered_plain(lane, owed)
-            self.progress.delivered_plain(lane, owed)
+            self.accounting.delivered_plain(lane, owed)
 
     def _settle_all(self) -> None:
         for lane in self.lanes:
@@ -439,7 +315,7 @@ class PipelineIterator:
         """Sentinels at the head of a lane's queue: their epoch is fully delivered."""
         self._settle(lane)
         while queue and type(queue[0]) is SampleRecord and queue[0].meta.is_flush_sentinel:
-            self.progress.lanes[lane].sentinel_delivered(queue.popleft().meta.chunk_id)
+            self.accounting.sentinel(lane, queue.popleft().meta.chunk_id)
 
     def _pump(self) -> bool:
         before = thread_bytes_read()
@@ -477,8 +353,7 @@ class PipelineIterator:
             tags = elem.meta.tags
             if tags and tags.get(TOMBSTONE_TAG):
                 self._settle(lane)
-                self._stats.control(lane, elem)
-                self.progress.close_refs(elem)
+                self.accounting.tombstone(lane, elem)
                 return
             if tags and tags.get(FLUSH_SENTINEL_TAG):
                 self._route_sentinel(lane, elem.meta.chunk_id)
@@ -495,7 +370,7 @@ class PipelineIterator:
             queue.append(Sentinel(lane, boundary).record())
         else:
             self._settle(lane)
-            self.progress.lanes[lane].sentinel_delivered(boundary)
+            self.accounting.sentinel(lane, boundary)
 
     def _route_block(self, block: Block) -> None:
         """A block of records: its tombstones are accounted, its data rows queued as records."""
@@ -504,8 +379,7 @@ class PipelineIterator:
         if block.tomb is not None:
             tombs = block.take(np.flatnonzero(block.tomb))
             self._settle(lane)
-            self._stats.control_block(tombs)
-            self.progress.close_block(tombs)
+            self.accounting.tombstones(tombs)
             if len(tombs) == len(block):
                 return
             data = block.take(np.flatnonzero(~block.tomb))
@@ -513,18 +387,11 @@ class PipelineIterator:
 
     def _on_chunk(self, chunk: Chunk) -> None:
         self._settle(chunk.lane_id)
-        self._stats.read(chunk, self._datasets)
-        self.progress.register(chunk)
+        self.accounting.register(chunk)
 
     def _on_replay_drop(self, dropped: SampleRecord | Block) -> None:
-        if type(dropped) is Block:
-            self._settle(dropped.lane)
-            self._stats.dropped_block(dropped)
-            self.progress.replayed_block(dropped)
-            return
-        self._settle(dropped.meta.lane_id)
-        self._stats.dropped(dropped)
-        self.progress.replayed(dropped)
+        self._settle(dropped.lane if type(dropped) is Block else dropped.meta.lane_id)
+        self.accounting.replay_dropped(dropped)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -550,35 +417,18 @@ class PipelineIterator:
             NotCheckpointableError: The iterator was made with
                 ``deterministic=False``, whose positions cannot be replayed.
         """
-        from zephon_torch.checkpoint import STATE_VERSION, refuse_nondeterministic, state_checksum
-
         if not self.checkpointable:
             raise refuse_nondeterministic("state_dict()")
         with self._exclusive():
             self._settle_all()
-            num_lanes = self.pipeline.source.num_lanes
-            # A lane still replaying has delivered nothing new: its position is the loaded one.
-            replaying = self._replay_filter_stage.acc.pending_lanes() | {
-                lane for lane in self.lanes
-                if str(lane) in self._loaded["lanes"]
-                and self.progress.lanes[lane].outputs
-                == self._loaded["lanes"][str(lane)]["outputs"]
-            }
-            lanes = {
-                str(lane): (dict(self._loaded["lanes"][str(lane)]) if lane in replaying else
-                            self.progress.lanes[lane].snapshot(self._next_state, num_lanes))
-                for lane in self.lanes
-            }
-            state = {
-                "version": STATE_VERSION,
-                "deterministic": True,
-                "fingerprint": self._parts(),
-                "num_lanes": num_lanes,
-                "lanes": lanes,
-                "round_robin": {"lanes": list(self.lanes), "index": self._rr},
-            }
-        state["checksum"] = state_checksum(state)
-        return state
+            lanes = resume.lane_entries(
+                self.accounting, self.lanes, self._loaded,
+                self._replay_filter_stage.acc.pending_lanes(), self.emitter,
+                self.pipeline.source.num_lanes)
+            round_robin = {"lanes": list(self.lanes), "index": self._rr}
+        return resume.make_state(deterministic=True, parts=self._parts(),
+                                 num_lanes=self.pipeline.source.num_lanes, lanes=lanes,
+                                 round_robin=round_robin)
 
     def state_for_snapshot(self) -> dict[str, Any]:
         """:meth:`state_dict`, or under ``deterministic=False`` a state that refuses to load.
@@ -591,8 +441,6 @@ class PipelineIterator:
         such a run cannot be resumed, and the first call warns, so that a run
         saving such states learns it at once.
         """
-        from zephon_torch.checkpoint import STATE_VERSION, state_checksum
-
         if self.checkpointable:
             return self.state_dict()
         if not self._warned_unresumable:
@@ -604,32 +452,15 @@ class PipelineIterator:
                 "that resume",
                 RuntimeWarning, stacklevel=2,
             )
-        state = {
-            "version": STATE_VERSION,
-            "deterministic": False,
-            "fingerprint": self._parts(),
-            "num_lanes": self.pipeline.source.num_lanes,
-            "lanes": {},
-            "round_robin": None,
-        }
-        state["checksum"] = state_checksum(state)
-        return state
+        return resume.make_state(deterministic=False, parts=self._parts(),
+                                 num_lanes=self.pipeline.source.num_lanes, lanes={},
+                                 round_robin=None)
 
     def _parts(self) -> dict[str, str]:
         """The fingerprint's parts, as states carry them (a fresh copy each time)."""
-        from zephon_torch.checkpoint import fingerprint_parts
-
         if self._fingerprint_parts is None:
             self._fingerprint_parts = fingerprint_parts(self._fingerprint, self._stage_names)
         return dict(self._fingerprint_parts)
-
-    def _next_state(self, global_chunk: int, exhausted: bool) -> Any:
-        pending = self.emitter.pending_replay(global_chunk)
-        if pending is not None:
-            return pending
-        if exhausted or self.emitter.finished:
-            return None
-        return self.emitter.state_of(global_chunk)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue exactly where the state's iterator(s) stopped (before iterating).
@@ -637,30 +468,18 @@ class PipelineIterator:
         ``state`` may be one rank's state or a :func:`merge_states` global one;
         this iterator takes its own lanes from it, whatever the world size.
         """
-        from zephon_torch.checkpoint import check_state
-
         with self._lock:  # not while another thread takes a state
             if self._started:
                 raise RuntimeError(
                     "load_state_dict() must be called before iterating; create a new iterator "
                     "with pipe.iter(...) and load the state into it"
                 )
-            state = check_state(state, self._fingerprint, stage_names=self._stage_names,
-                                deterministic=self.deterministic)
-            if state["num_lanes"] != self.pipeline.source.num_lanes:
-                raise ValueError(
-                    f"the state has {state['num_lanes']} lanes, this pipeline "
-                    f"{self.pipeline.source.num_lanes}"
-                )
-            missing = [lane for lane in self.lanes if str(lane) not in state["lanes"]]
-            if missing:
-                raise ValueError(
-                    f"the state has no entry for lane(s) {missing} (it holds lanes "
-                    f"{sorted(int(k) for k in state['lanes'])}); merge every rank's state with "
-                    "zephon_torch.checkpoint.merge_states() before resuming on another world size"
-                )
+            state = resume.checked_state(
+                state, fingerprint=self._fingerprint, stage_names=self._stage_names,
+                deterministic=self.deterministic, num_lanes=self.pipeline.source.num_lanes,
+                lanes=self.lanes)
             try:
-                self._build(resume=state)
+                self._build(state)
             except Exception as exc:
                 # Never half-loaded: whatever went wrong, the iterator starts afresh.
                 self._build()
@@ -675,47 +494,6 @@ class PipelineIterator:
     def started(self) -> bool:
         """Whether iteration has begun (a state can no longer be loaded)."""
         return self._started
-
-    def _resume_plan(self, state: Mapping[str, Any], replay_filter: Any,
-                     key_from_json: Any) -> tuple[Any, dict[int, int], list[Any]]:
-        """Replay windows, per-lane next chunks, the emitter start, the filter targets."""
-        from zephon_torch.sources.schedule import ScheduleState
-
-        num_lanes = self.pipeline.source.num_lanes
-        replay: list[ScheduleState] = []
-        lane_next: dict[int, int] = {}
-        starts: list[ScheduleState] = []
-        for lane in self.lanes:
-            entry = state["lanes"][str(lane)]
-            window = [ScheduleState.from_json(row[1:]) for row in entry["window"]]
-            replay.extend(window)
-            progress = self.progress.lanes[lane]
-            progress.outputs = int(entry["outputs"])
-            first_chunk = (int(entry["window"][0][0]) if entry["window"] else
-                           None if entry["next"] is None else
-                           int(entry["next"][0]) // num_lanes)
-            if first_chunk is not None:  # epochs before the window are done
-                progress.done_epoch = progress.epoch_of(first_chunk)
-                progress.registered_until = first_chunk
-            if entry["replay_cursor"] is not None and window:
-                window_end = max(int(row[0]) for row in entry["window"])
-                replay_filter.targets[lane] = (key_from_json(entry["replay_cursor"]),
-                                               int(entry["replay_count"]), window_end)
-            if entry["next"] is None:
-                lane_next[lane] = sys.maxsize
-                progress.exhausted = True
-            else:
-                nxt = ScheduleState.from_json(entry["next"])
-                lane_next[lane] = nxt.global_chunk
-                starts.append(nxt)
-        rr = state.get("round_robin")
-        if rr and rr.get("lanes") == list(self.lanes):
-            self._rr = int(rr["index"]) % len(self.lanes)
-        else:  # another topology: start with the lane that has delivered least
-            outputs = [self.progress.lanes[lane].outputs for lane in self.lanes]
-            self._rr = outputs.index(min(outputs))
-        start = min(starts, key=lambda s: s.global_chunk) if starts else None
-        return start, lane_next, replay
 
     # ------------------------------------------------------------------ reporting
 
@@ -747,9 +525,9 @@ class PipelineIterator:
         with self._exclusive():  # a consistent report while another thread iterates
             self._settle_all()
             replayed = self.emitter.replayed_by_lane
-            report = self._stats.report(replayed)
+            report = self.accounting.report(replayed)
             report["bytes_read"] = self._bytes_read()
-            report["bad_samples"] = [self._describe_bad(entry) for entry in self._stats.bad]
+            report["bad_samples"] = self.accounting.bad_samples()
             report["stages"] = {stage.name: dict(stage.counters) for stage in self.stages}
             report["replayed_samples"] = self.emitter.replayed
             report["replayed_by_lane"] = dict(replayed)
@@ -770,27 +548,19 @@ class PipelineIterator:
             total += now - then
         return total
 
-    def _describe_bad(self, entry: tuple[str, tuple[int, int, int], str | None]) -> dict[str, Any]:
-        reason, sample_id, detail = entry
-        dataset_id, shard_id, local_id = sample_id
-        try:
-            where = self._datasets[dataset_id].locate(shard_id, local_id)
-        except Exception:  # a location is a courtesy; never fail the report
-            where = f"sample {sample_id}"
-        return {"reason": reason, "sample_id": sample_id, "where": where, "detail": detail}
-
     def _report_skips(self) -> None:
         """One warning for the samples ``on_error="skip"`` turned into tombstones."""
-        if self._reported or not self._stats.bad_total:
+        books = self.accounting
+        if self._reported or not books.bad_total:
             return
         self._reported = True
-        counts = ", ".join(f"{reason}: {n}" for reason, n in sorted(self._stats.bad_counts.items()))
+        counts = ", ".join(f"{reason}: {n}" for reason, n in sorted(books.bad_counts.items()))
         first = "; ".join(
             f"{d['where']} ({d['reason']}{': ' + d['detail'] if d['detail'] else ''})"
-            for d in (self._describe_bad(e) for e in self._stats.bad[:_WARN_EXAMPLES])
+            for d in books.bad_samples(_WARN_EXAMPLES)
         )
         warnings.warn(
-            f"zephon_torch: on_error='skip' turned {self._stats.bad_total} bad sample(s) of "
+            f"zephon_torch: on_error='skip' turned {books.bad_total} bad sample(s) of "
             f"lanes {self.lanes} into tombstones ({counts}); first: {first}. They are counted "
             "in stats()['lanes'][lane]['tombstoned']; fix the data or use on_error='raise' to "
             "stop at the first one",
@@ -826,193 +596,3 @@ class PipelineIterator:
         with contextlib.suppress(Exception):  # at interpreter shutdown, nothing to do
             self.close()
 
-
-_WARN_EXAMPLES = 5  # bad samples named in the skip warning
-_KEEP_BAD = 20  # bad samples kept for stats()
-
-
-class _RemoteStandIn(Operator):
-    """Takes a remote stage's place in the local pool: nothing to set up, never run."""
-
-    name = "remote_stand_in"
-
-    def process_many(self, elems: Any) -> list[Any]:
-        raise RuntimeError("a remote stage's micro-batch reached the local pool (a zephon bug)")
-
-
-class _Stats:
-    """Counters per lane; a base sample counts when a contribution closes it."""
-
-    def __init__(self, lanes: Sequence[int]) -> None:
-        self.lanes = list(lanes)
-        self._read = dict.fromkeys(lanes, 0)
-        self._delivered = dict.fromkeys(lanes, 0)
-        self._dropped = dict.fromkeys(lanes, 0)
-        self._sample_bytes = dict.fromkeys(lanes, 0)
-        self._tombstoned: dict[int, dict[str, int]] = {lane: {} for lane in lanes}
-        self.bad: list[tuple[str, tuple[int, int, int], str | None]] = []
-        self.bad_counts: dict[str, int] = {}
-        self.bad_total = 0
-
-    def read(self, chunk: Chunk, datasets: Sequence[Any]) -> None:
-        """A chunk emitted: its samples and the storage they occupy (one call per shard
-        run)."""
-        lane = chunk.lane_id
-        self._read[lane] += len(chunk)
-        dataset_ids, shard_ids, local_ids = chunk.dataset_ids, chunk.shard_ids, chunk.local_ids
-        n = len(local_ids)
-        if not n:
-            return
-        # Runs of one (dataset, shard): a chunk usually holds one or a few.
-        change = np.flatnonzero((dataset_ids[1:] != dataset_ids[:-1])
-                                | (shard_ids[1:] != shard_ids[:-1])) + 1
-        starts = [0, *change.tolist()]
-        ends = [*change.tolist(), n]
-        total = 0
-        for a, b in zip(starts, ends):
-            dataset = datasets[int(dataset_ids[a])]
-            total += dataset.sample_bytes(int(shard_ids[a]), local_ids[a:b])
-        self._sample_bytes[lane] += total
-
-    def dropped(self, record: SampleRecord) -> None:
-        """A replayed record the replay filter dropped (delivered before the checkpoint)."""
-        self._dropped[record.meta.lane_id] += close_count(record.meta)
-
-    def dropped_block(self, block: Block) -> None:
-        """:meth:`dropped` for a block of replayed rows."""
-        self._dropped[block.lane] += int(block.close_counts().sum())
-
-    def delivered_plain(self, lane: int, records: list[SampleRecord]) -> None:
-        """Plain records (no tags) of ``lane`` were delivered: each closes itself."""
-        self._delivered[lane] += len(records)
-
-    def delivered(self, lane: int, item: Any) -> None:
-        if type(item) is SampleRecord:
-            self._delivered[lane] += 1 if not item.meta.tags else close_count(item.meta)
-        elif type(item) is BlockBatch:
-            self._delivered[lane] += int(item.block.close_counts().sum())
-        elif all(not r.meta.tags for r in item.records):  # plain records close themselves
-            self._delivered[lane] += len(item.records)
-        else:
-            self._delivered[lane] += sum(close_count(r.meta) for r in item.records)
-
-    def control_block(self, block: Block) -> None:
-        """A block of tombstones reached the consumer."""
-        lane = block.lane
-        per_lane = self._tombstoned[lane]
-        closes = block.close_counts().tolist()
-        reasons = block.reason or [None] * len(block)
-        details = block.detail or [None] * len(block)
-        for i, (reason, count) in enumerate(zip(reasons, closes)):
-            reason = reason or "unknown"
-            per_lane[reason] = per_lane.get(reason, 0) + count
-            if is_error_reason(reason):
-                self.bad_total += count
-                self.bad_counts[reason] = self.bad_counts.get(reason, 0) + count
-                if len(self.bad) < _KEEP_BAD:
-                    self.bad.append((reason, tuple(block.ids[i, :3].tolist()), details[i]))
-
-    def control(self, lane: int, record: SampleRecord) -> None:
-        tags = record.meta.tags
-        if tags.get(TOMBSTONE_TAG):
-            reason = tags.get(TOMBSTONE_REASON_TAG, "unknown")
-            per_lane = self._tombstoned[lane]
-            closes = close_count(record.meta)
-            per_lane[reason] = per_lane.get(reason, 0) + closes
-            if is_error_reason(reason):
-                self.bad_total += closes
-                self.bad_counts[reason] = self.bad_counts.get(reason, 0) + closes
-                if len(self.bad) < _KEEP_BAD:
-                    self.bad.append((reason, tuple(record.meta.sample_id),
-                                     tags.get(TOMBSTONE_DETAIL_TAG)))
-
-    def report(self, replayed: Mapping[int, int]) -> dict[str, Any]:
-        lanes = {
-            lane: {
-                "read": self._read[lane],
-                "delivered": self._delivered[lane],
-                "tombstoned": dict(self._tombstoned[lane]),
-                "replayed": int(replayed.get(lane, 0)),
-                "replay_dropped": self._dropped[lane],
-                "sample_bytes": self._sample_bytes[lane],
-            }
-            for lane in self.lanes
-        }
-        return {
-            "lanes": lanes,
-            "read": sum(v["read"] for v in lanes.values()),
-            "delivered": sum(v["delivered"] for v in lanes.values()),
-            "tombstoned": sum(sum(v["tombstoned"].values()) for v in lanes.values()),
-            "replayed": sum(v["replayed"] for v in lanes.values()),
-            "replay_dropped": sum(v["replay_dropped"] for v in lanes.values()),
-            "sample_bytes": sum(v["sample_bytes"] for v in lanes.values()),
-        }
-
-
-class _VerifyingStats(_Stats):
-    """:class:`_Stats` that also records every closed base sample (``verify=True``).
-
-    Keys are ``(lane, chunk_id, offset)``; a key closed twice is kept in
-    ``duplicates`` and one that belongs to no chunk read here in ``strays``.
-    """
-
-    def __init__(self, lanes: Sequence[int]) -> None:
-        super().__init__(lanes)
-        self.chunks: dict[tuple[int, int], int] = {}
-        self.closed: set[tuple[int, int, int]] = set()
-        self.duplicates: list[tuple[int, int, int]] = []
-        self.strays: list[tuple[int, int, int]] = []
-
-    def read(self, chunk: Chunk, datasets: Sequence[Any]) -> None:
-        super().read(chunk, datasets)
-        self.chunks[(chunk.lane_id, chunk.chunk_id)] = len(chunk)
-
-    def _close(self, record: SampleRecord) -> None:
-        meta = record.meta
-        for chunk_id, offset in closed_offsets(meta):
-            self._add((meta.lane_id, chunk_id, offset))
-
-    def _add(self, key: tuple[int, int, int]) -> None:
-        closed = self.closed
-        before = len(closed)
-        closed.add(key)
-        if len(closed) == before:
-            self.duplicates.append(key)
-        elif not 0 <= key[2] < self.chunks.get((key[0], key[1]), 0):
-            self.strays.append(key)
-
-    def delivered_plain(self, lane: int, records: list[SampleRecord]) -> None:
-        super().delivered_plain(lane, records)
-        for record in records:
-            meta = record.meta
-            self._add((lane, meta.chunk_id, meta.chunk_offset))
-
-    def delivered(self, lane: int, item: Any) -> None:
-        super().delivered(lane, item)
-        if type(item) is BlockBatch:
-            self._close_block(item.block)
-            return
-        for record in (item.records if isinstance(item, SampleBatch) else (item,)):
-            self._close(record)
-
-    def _close_block(self, block: Block) -> None:
-        chunks, offsets = block.closed_offsets()
-        for chunk, offset in zip(chunks.tolist(), offsets.tolist()):
-            self._add((block.lane, chunk, offset))
-
-    def control_block(self, block: Block) -> None:
-        super().control_block(block)
-        self._close_block(block)
-
-    def dropped_block(self, block: Block) -> None:
-        super().dropped_block(block)
-        self._close_block(block)
-
-    def control(self, lane: int, record: SampleRecord) -> None:
-        super().control(lane, record)
-        if record.meta.tags.get(TOMBSTONE_TAG):
-            self._close(record)
-
-    def dropped(self, record: SampleRecord) -> None:
-        super().dropped(record)
-        self._close(record)

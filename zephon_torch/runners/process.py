@@ -1,11 +1,10 @@
 """The process runner's pool: micro-batches in worker processes.
 
-Every worker can run every stage. A micro-batch travels as one *unit*: a
-:class:`~zephon_torch.block.Block` (the common case: one lane's records as a
-few arrays) or a list of records and batches (user operators), pickled in
-one call with protocol 5, its array buffers written out of band into one
-shared-memory segment (``shm.py``), so that a block of tokens crosses as its
-identity, offset and value arrays, not as a pickle per record::
+Every worker can run every stage. A micro-batch travels as one *unit*
+(a block, or a list of records), its buffers in a shared-memory segment and
+only a small ref on the pipes (``wire.py`` has the format, ``shm.py`` the
+segments); the worker loop is ``worker.py``. This module is the main side:
+the supervisor that owns the workers, and the pool the engine submits to::
 
     driver thread (engine)        supervisor thread            worker k (spawned)
     ──────────────────────        ─────────────────            ──────────────────
@@ -26,11 +25,10 @@ make this runner POSIX-only (Linux, macOS).
 on request), never a bare ``fork`` of a process whose threads (tokenizers,
 pyarrow, torch) may hold a lock. Operators and contexts reach them through
 cloudpickle (lambdas inside operators work); each worker calls
-``op.setup(ctx)`` once for every operator that is not ``inline``. A worker
-imports only what the operators' pickles import, so no torch unless an
-operator needs it. (``spawn`` does re-import the parent's ``__main__``
-module, as ``multiprocessing`` always does: keep heavy imports of a training
-script under ``if __name__ == "__main__":``.)
+``op.setup(ctx)`` once for every operator that is not ``inline``. (``spawn``
+does re-import the parent's ``__main__`` module, as ``multiprocessing``
+always does: keep heavy imports of a training script under
+``if __name__ == "__main__":``.)
 
 **Faults.** The supervisor watches every worker's result pipe and process
 sentinel. A worker that dies is replaced, and its unfinished micro-batches
@@ -72,74 +70,24 @@ import queue
 import signal
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Sequence
 from multiprocessing import connection as mp_connection
 from typing import Any
 
-from zephon_torch.block import Block
-from zephon_torch.ops.base import OpContext, Operator, check_elements
-from zephon_torch.runners import shm
-from zephon_torch.runners.base import Pool, run_unit
-from zephon_torch.sources.base import thread_bytes_read
+from zephon_torch.ops.base import OpContext, Operator
+from zephon_torch.runners import shm, wire
+from zephon_torch.runners.base import Pool
+from zephon_torch.runners.wire import WorkerTraceback
+from zephon_torch.runners.worker import worker_main
 
+# WorkerTraceback lives in wire.py; it stays importable from here.
 __all__ = ["ProcessPool", "WorkerTraceback", "describe_exit"]
 
-_PROTOCOL = pickle.HIGHEST_PROTOCOL
-_STOP = pickle.dumps(("stop",), protocol=_PROTOCOL)
 _START_METHODS = ("spawn", "forkserver")
 
 
-class WorkerTraceback(Exception):
-    """The formatted traceback of an exception raised in a worker process.
-
-    It is attached as ``__cause__`` of the exception re-raised in the
-    consumer, so a printed traceback shows the worker's stack under "The
-    above exception was the direct cause of the following exception".
-
-    Attributes:
-        text: The traceback text, headed by the worker and the stage.
-    """
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-
 # --------------------------------------------------------------------------- errors
-
-
-def _error_message(kind: str, task_id: int, exc: BaseException, header: str) -> bytes:
-    """An error reply: the pickled exception if it survives a round trip, and its text."""
-    text = f"{header}\n{''.join(traceback.format_exception(exc))}"
-    blob: bytes | None
-    try:
-        blob = pickle.dumps(exc, protocol=_PROTOCOL)
-        pickle.loads(blob)  # an exception whose __init__ breaks unpickling fails here
-    except Exception:
-        blob = None
-    kind_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return pickle.dumps((kind, task_id, blob, kind_name, str(exc), text), protocol=_PROTOCOL)
-
-
-def _remote_error(blob: bytes | None, type_name: str, message: str, text: str) -> BaseException:
-    exc: Any = None
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)
-        except Exception:
-            exc = None
-    if not isinstance(exc, BaseException):
-        exc = RuntimeError(
-            f"{type_name}: {message} (raised in a zephon worker process; the exception "
-            f"could not be pickled back, so it is re-raised as RuntimeError)\n{text}"
-        )
-    exc.__cause__ = WorkerTraceback(text)
-    return exc
 
 
 def describe_exit(code: int | None) -> str:
@@ -227,83 +175,6 @@ def _unwatch_sigterm(supervisor: _Supervisor) -> None:
         signal.signal(signal.SIGTERM, _sigterm_previous)
     # Otherwise someone replaced ours; _sigterm_previous stays, for a handler of
     # theirs that passes the signal on to ours.
-
-
-# --------------------------------------------------------------------------- worker side
-
-
-def _worker_main(slot: int, tasks: Any, results: Any, directory: str, prefix: str,
-                 inline_limit: int) -> None:
-    """A worker process: set up the operators, then run tasks in arrival order."""
-    # Ctrl-C goes to the whole process group; the main process handles it and closes us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    pid = os.getpid()
-    writer = shm.Writer(directory, f"{prefix}-{pid}", inline_limit)
-    try:
-        init = tasks.recv_bytes()
-    except (EOFError, OSError):
-        return  # the main process went away before sending the operators
-    try:
-        loaded = pickle.loads(init)
-        del init
-        if isinstance(loaded[0], str):  # ("stop",): the pool closed before we were set up
-            return
-        ops, ctxs = loaded
-        names = [ctx.stage_name or f"stage {i}" for i, ctx in enumerate(ctxs)]
-        for op, ctx in zip(ops, ctxs):
-            if not op.traits().inline:
-                op.setup(ctx)
-    except Exception as exc:
-        header = (f"zephon worker {slot} (pid {pid}) failed while starting (unpickling the "
-                  "operators or running op.setup):")
-        with contextlib.suppress(OSError):
-            results.send_bytes(_error_message("fatal", -1, exc, header))
-        return
-    try:
-        results.send_bytes(pickle.dumps(("ready",), protocol=_PROTOCOL))
-    except OSError:
-        return
-    while True:
-        try:
-            message = pickle.loads(tasks.recv_bytes())
-        except (EOFError, OSError):
-            return  # the main process is gone
-        if message[0] == "stop":
-            return
-        reply, ref = _run_task(message, ops, names, writer, directory, slot, pid)
-        try:
-            results.send_bytes(reply)
-        except OSError:
-            writer.discard(ref)  # nobody will ever adopt this segment
-            return
-
-
-def _run_task(message: tuple, ops: list[Operator], names: list[str], writer: shm.Writer,
-              directory: str, slot: int, pid: int) -> tuple[bytes, shm.BlockRef | None]:
-    _, task_id, stage, in_ref = message
-    ref = None
-    try:
-        unit = shm.load(in_ref, directory, copy=False)[0]
-        before = thread_bytes_read()
-        out = run_unit(ops[stage], unit)
-        read = thread_bytes_read() - before  # what the readers read for this task
-        del unit  # its mapping goes once nothing of it is in use
-        if type(out) is not Block:
-            out = check_elements(out, names[stage])
-        try:
-            ref = writer.dump([out])
-            reply = pickle.dumps(("result", task_id, ref, read), protocol=_PROTOCOL)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            writer.discard(ref)
-            ref = None
-            raise TypeError(
-                f"stage {names[stage]!r} returned an element that cannot be pickled for the "
-                f"trip back to the main process: {exc}"
-            ) from exc
-        return reply, ref
-    except Exception as exc:
-        header = f"Traceback of zephon worker {slot} (pid {pid}), stage {names[stage]!r}:"
-        return _error_message("error", task_id, exc, header), None
 
 
 # --------------------------------------------------------------------------- main side
@@ -406,7 +277,7 @@ class _Supervisor:
         task_r, task_w = self.mp.Pipe(duplex=False)
         result_r, result_w = self.mp.Pipe(duplex=False)
         process = self.mp.Process(
-            target=_worker_main, name=f"zephon-worker-{slot}", daemon=True,
+            target=worker_main, name=f"zephon-worker-{slot}", daemon=True,
             args=(slot, task_r, result_w, self.directory, self.prefix, self.inline_limit),
         )
         try:
@@ -516,7 +387,7 @@ class _Supervisor:
                 task = worker.in_flight.pop(task_id, None)
                 worker.busy_since = time.monotonic() if worker.in_flight else None
             try:
-                unit = shm.load(ref, self.directory, copy=True)[0]
+                unit = wire.load_unit(ref, self.directory, copy=True)
             except BaseException as exc:
                 unit = None
                 error: BaseException | None = exc
@@ -538,10 +409,10 @@ class _Supervisor:
                 worker.busy_since = time.monotonic() if worker.in_flight else None
             if task is not None:
                 self.done(task)
-                _fail(task.future, _remote_error(blob, type_name, text_message, text))
+                _fail(task.future, wire.remote_error(blob, type_name, text_message, text))
         elif kind == "fatal":
             _, _, blob, type_name, text_message, text = message
-            self._break(_remote_error(blob, type_name, text_message, text))
+            self._break(wire.remote_error(blob, type_name, text_message, text))
         return True
 
     def done(self, task: _Task) -> None:
@@ -703,7 +574,7 @@ class _Supervisor:
                     with contextlib.suppress(queue.Empty):
                         while True:
                             worker.outbox.get_nowait()
-                    worker.outbox.put(_STOP)
+                    worker.outbox.put(wire.STOP)
         for task in pending:
             _fail(task.future, RuntimeError(
                 f"zephon ProcessPool was closed before a micro-batch of stage "
@@ -788,16 +659,7 @@ class ProcessPool(Pool):
         ctxs = list(ctxs)
         if len(ops) != len(ctxs):
             raise ValueError(f"got {len(ops)} operators but {len(ctxs)} contexts")
-        import cloudpickle
-
-        try:
-            init = cloudpickle.dumps((ops, ctxs), protocol=_PROTOCOL)
-        except Exception as exc:
-            raise TypeError(
-                f"runner='process' sends the operators to worker processes with cloudpickle, "
-                f"and pickling them failed: {exc}. Keep open files, locks and clients out of "
-                "an operator's attributes (create them in setup())."
-            ) from exc
+        init = wire.init_message(ops, ctxs)
         directory = shm.segment_dir()
         shm.sweep_stale(directory)
         prefix = shm.new_prefix()
@@ -858,14 +720,14 @@ class ProcessPool(Pool):
     def _task(self, stage: int, unit: Any, future: cf.Future) -> _Task:
         name = self._names[stage]
         try:
-            ref = self._writer.dump([unit])
+            ref = wire.dump_unit(self._writer, unit)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise TypeError(
                 f"stage {name!r}: a record of this micro-batch cannot be pickled for a "
                 f"worker process: {exc}"
             ) from exc
         task_id = next(self._ids)
-        message = pickle.dumps(("task", task_id, stage, ref), protocol=_PROTOCOL)
+        message = wire.task_message(task_id, stage, ref)
         return _Task(task_id, stage, message, future, ref)
 
     def close(self) -> None:

@@ -90,7 +90,7 @@ from zephon_torch.block import Block
 from zephon_torch.ops.base import OpContext, Operator, check_elements
 from zephon_torch.ops.placement import Remote, placement_options
 from zephon_torch.runners.base import Pool, run_unit
-from zephon_torch.runners.process import _error_message, _remote_error
+from zephon_torch.runners.wire import error_message, remote_error
 
 __all__ = ["RayPool", "StageActor", "connect", "shutdown", "started_by_zephon"]
 
@@ -203,7 +203,7 @@ class StageActor:
         except Exception as exc:
             # Reported by every micro-batch: the consumer sees the setup error's own
             # type instead of an actor that keeps dying.
-            self._setup_error = _error_message(
+            self._setup_error = error_message(
                 "error", 0, exc,
                 f"{self._where()} failed in op.setup(ctx) of stage {self._name!r}:",
             )
@@ -234,7 +234,7 @@ class StageActor:
             return ("result", stream, buffers)
         except Exception as exc:
             header = f"Traceback of {self._where()}, stage {self._name!r}:"
-            return ("error", _error_message("error", 0, exc, header))
+            return ("error", error_message("error", 0, exc, header))
 
 
 # --------------------------------------------------------------------------- driver side
@@ -360,7 +360,7 @@ class _Core:
         try:
             if reply[0] == "error":
                 _, blob, type_name, message, text = pickle.loads(reply[1])[1:]
-                _fail(job.future, _remote_error(blob, type_name, message, text))
+                _fail(job.future, remote_error(blob, type_name, message, text))
                 return
             _, stream, buffers = reply
             result = _load_payloads(stream, buffers)[0]

@@ -79,6 +79,7 @@ from typing import Any
 
 from zephon_torch.runners import shm
 from zephon_torch.runners.process import WorkerTraceback, describe_exit
+from zephon_torch.runners.wire import exception_parts, revived_exception
 
 __all__ = ["EngineProcess", "EngineSpec", "InProcessProducer", "run_pipeline"]
 
@@ -199,21 +200,11 @@ def _decode(payload: Any) -> Any:
 
 def _error_reply(exc: BaseException) -> bytes:
     text = "".join(traceback.format_exception(exc))
-    blob: bytes | None
-    try:
-        blob = pickle.dumps(exc, protocol=_PROTOCOL)
-        pickle.loads(blob)  # an exception whose __init__ breaks unpickling fails here
-    except Exception:
-        blob = None
-    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return pickle.dumps(("error", blob, name, str(exc), text), protocol=_PROTOCOL)
+    return pickle.dumps(("error", *exception_parts(exc), text), protocol=_PROTOCOL)
 
 
 def _remote_error(blob: bytes | None, name: str, message: str, text: str) -> BaseException:
-    exc: Any = None
-    if blob is not None:
-        with contextlib.suppress(Exception):
-            exc = pickle.loads(blob)
+    exc = revived_exception(blob)
     if not isinstance(exc, BaseException):
         exc = RuntimeError(f"{name}: {message} (raised in the zephon loader's engine process; "
                            f"it could not be pickled back)")

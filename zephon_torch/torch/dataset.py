@@ -56,14 +56,16 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.utils.data
 
-from zephon_torch._torch_hook import worker_lanes
 from zephon_torch.checkpoint import merge_states, state_checksum
 from zephon_torch.pipeline import Pipeline
-from zephon_torch.runners.iterator import PipelineIterator, owned_lanes, resolve_topology
+from zephon_torch.topology import owned_lanes, resolve_topology, worker_lanes
+
+if TYPE_CHECKING:
+    from zephon_torch.runners.iterator import PipelineIterator
 
 __all__ = ["LiveIterator", "TorchIterableDataset", "merged_state"]
 

@@ -129,7 +129,7 @@ from zephon_torch.checkpoint import (
     state_checksum,
 )
 from zephon_torch.pipeline import Pipeline
-from zephon_torch.runners.iterator import owned_lanes, resolve_topology
+from zephon_torch.topology import owned_lanes, resolve_topology
 from zephon_torch.torch._loader_dist import StepVote, in_group, vote_group
 from zephon_torch.torch._loader_engine import (
     EngineProcess,

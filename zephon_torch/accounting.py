@@ -1,0 +1,483 @@
+"""One iterator's books: what each lane read, and what became of every sample.
+
+The consumer side (``runners/iterator.py``) reports each event here once,
+and one :class:`Accounting` per iterator keeps two things from it:
+
+* **progress**, for states (``checkpoint.py`` writes them from it): per lane,
+  the registered chunks, which epochs are done, the replay cursor and the
+  items handed out;
+* **counters**, for ``stats()``: per lane the samples read (and the storage
+  they occupy), delivered, tombstoned (by reason) and dropped again after a
+  resume, and the first few bad samples ``on_error="skip"`` turned into
+  tombstones; with ``verify=True`` also every closed sample, one by one
+  (:class:`SampleBook`).
+
+The events::
+
+    register(chunk)                a chunk emitted for a lane
+    delivered_plain(lane, recs)    plain records the caller received, in order
+    delivered(lane, item)          a tagged record, a batch or a block batch received
+    tombstone(lane, record)        a tombstone reached the consumer
+    tombstones(block)              a block of tombstones reached the consumer
+    replay_dropped(record | block) replayed rows the replay filter dropped
+    sentinel(lane, boundary)       everything before a flush sentinel was received
+    lane_ended(lane)               a lane ended and all of its output was received
+
+**What is counted.** A base sample counts once, when something closes it
+(``vocab.py``: a record closes its own offset, a packed row the offsets of
+its last-child contributors, a tombstone what its record would have
+closed), so at the end of a pass, per lane, ``read == delivered +
+sum(tombstoned) + replay_dropped``.
+
+**Progress.** Per lane, the base offsets closed by what the caller received
+and by tombstones. A chunk whose every offset is closed is complete. Chunks
+are grouped in *epochs* (the ``flush_every_k_chunks`` chunks between two
+flush sentinels of a lane; one chunk each when there are no sentinels), and
+complete epochs are forgotten whole. With sentinels, an epoch is done when
+its sentinel reaches the consumer, and offsets need not be closed one by
+one.
+
+This module imports nothing from ``runners/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from zephon_torch.block import ID_CHUNK, Block, BlockBatch
+from zephon_torch.types import SampleBatch, SampleRecord
+from zephon_torch.vocab import (
+    TOMBSTONE_DETAIL_TAG,
+    TOMBSTONE_REASON_TAG,
+    close_count,
+    closed_offsets,
+    is_error_reason,
+)
+
+if TYPE_CHECKING:
+    from zephon_torch.sources.schedule import Chunk, ScheduleState
+
+__all__ = ["Accounting", "LaneProgress", "ProgressTracker", "SampleBook"]
+
+#: Bad samples kept for ``stats()["bad_samples"]``.
+_KEEP_BAD = 20
+
+
+@dataclass
+class _ChunkProgress:
+    size: int
+    start: ScheduleState
+    closed: set[int] = field(default_factory=set)  # offsets: closing twice is harmless
+
+
+@dataclass
+class LaneProgress:
+    """What one lane has registered and delivered, and which epochs are done.
+
+    With flush sentinels an epoch is done when the caller has received
+    everything that came before the epoch's sentinel (the sentinel follows
+    all of the epoch's output through every stage). Counting closed offsets
+    would not do: after a shuffle, a split document's last piece may be
+    delivered before an earlier piece. Without sentinels (order-preserving
+    plans) an epoch is one chunk, done when all its offsets are closed.
+
+    The counters at the end (``read`` to ``tombstoned``) are the lane's part
+    of ``stats()``.
+    """
+
+    lane: int
+    flush_every: int
+    chunks: dict[int, _ChunkProgress] = field(default_factory=dict)
+    done_epoch: int = 0  # epochs below this one are done
+    incomplete: dict[int, int] = field(default_factory=dict)  # no sentinels: chunk -> open
+    delivered_in_epoch: dict[int, int] = field(default_factory=dict)
+    cursor: tuple | None = None
+    cursor_epoch: int | None = None
+    outputs: int = 0
+    finished: bool = False  # every output of the lane has been delivered
+    exhausted: bool = False  # the schedule has no new chunk for this lane
+    registered_until: int = 0  # the next chunk id to be registered
+    read: int = 0  # samples of the chunks registered
+    sample_bytes: int = 0  # the storage they occupy
+    samples_delivered: int = 0  # base samples closed by what the caller received
+    samples_dropped: int = 0  # replayed samples the caller had received before
+    tombstoned: dict[str, int] = field(default_factory=dict)  # reason -> samples
+
+    def epoch_of(self, chunk_id: int) -> int:
+        """The epoch of chunk ``chunk_id`` (the chunk itself when there are no sentinels)."""
+        return chunk_id // self.flush_every if self.flush_every else chunk_id
+
+    def register(self, chunk: Chunk) -> None:
+        """A chunk emitted for this lane: read, and open until its epoch is done."""
+        size = len(chunk)
+        self.read += size
+        self.registered_until = max(self.registered_until, chunk.chunk_id + 1)
+        self.chunks[chunk.chunk_id] = _ChunkProgress(size, chunk.start)
+        if not self.flush_every:
+            if size:
+                self.incomplete[chunk.chunk_id] = size
+            self._advance_by_closures()
+
+    def resume_at(self, first_chunk: int | None, outputs: int, exhausted: bool) -> None:
+        """Start where a saved state left the lane: epochs before ``first_chunk`` are done."""
+        self.outputs = outputs
+        if first_chunk is not None:
+            self.done_epoch = self.epoch_of(first_chunk)
+            self.registered_until = first_chunk
+        if exhausted:
+            self.exhausted = True
+
+    def close(self, chunk_id: int, offset: int) -> None:
+        """An offset closed by a delivered last piece or a tombstone (no-sentinel plans)."""
+        if self.flush_every:
+            return
+        info = self.chunks.get(chunk_id)
+        if info is None or offset in info.closed:  # forgotten, or closed already
+            return
+        info.closed.add(offset)
+        if len(info.closed) == info.size:
+            self.incomplete.pop(chunk_id, None)
+            self._advance_by_closures()
+
+    def close_many(self, chunk_id: int, offsets: list[int]) -> None:
+        """:meth:`close` for several offsets of one chunk."""
+        if self.flush_every:
+            return
+        info = self.chunks.get(chunk_id)
+        if info is None:
+            return
+        info.closed.update(offsets)
+        if len(info.closed) == info.size:
+            self.incomplete.pop(chunk_id, None)
+            self._advance_by_closures()
+
+    def close_grouped(self, chunks: np.ndarray, offsets: np.ndarray) -> None:
+        """Close base offsets given as arrays, one :meth:`close_many` per chunk."""
+        if not len(chunks):
+            return
+        order = np.argsort(chunks, kind="stable")
+        chunks, offsets = chunks[order], offsets[order]
+        cut = np.flatnonzero(chunks[1:] != chunks[:-1]) + 1
+        for start, stop in zip([0, *cut.tolist()], [*cut.tolist(), len(chunks)]):
+            self.close_many(int(chunks[start]), offsets[start:stop].tolist())
+
+    def _advance_by_closures(self) -> None:
+        first_open = min(self.incomplete) if self.incomplete else self.registered_until
+        self._forget_before(first_open)
+
+    def sentinel_delivered(self, boundary_chunk_id: int) -> None:
+        """Everything before the sentinel of ``boundary_chunk_id`` has been delivered."""
+        self._forget_before(self.epoch_of(boundary_chunk_id))
+
+    def _forget_before(self, epoch: int) -> None:
+        if epoch <= self.done_epoch:
+            return
+        self.done_epoch = epoch
+        for cid in [c for c in self.chunks if self.epoch_of(c) < epoch]:
+            del self.chunks[cid]
+        for e in [e for e in self.delivered_in_epoch if e < epoch]:
+            del self.delivered_in_epoch[e]
+
+    def finish(self) -> None:
+        """The lane has ended and the caller has received all of its output."""
+        self.finished = True
+        self._forget_before(self.epoch_of(self.registered_until))
+
+    def delivered(self, record: SampleRecord, *, count_output: bool) -> None:
+        """A record the caller received (or, on replay, had received): move the cursor."""
+        meta = record.meta
+        epoch = self.epoch_of(meta.chunk_id)
+        self.cursor = meta.as_cursor_key()
+        self.cursor_epoch = epoch
+        self.delivered_in_epoch[epoch] = self.delivered_in_epoch.get(epoch, 0) + 1
+        if count_output:
+            self.outputs += 1
+
+    def window(self) -> tuple[int, int] | None:
+        """First and last epoch to replay (None: nothing is inflight)."""
+        if self.finished:
+            return None
+        first = self.done_epoch
+        last = first
+        if self.cursor_epoch is not None and self.cursor_epoch > first:
+            last = self.cursor_epoch
+        return first, last
+
+    def counts(self, replayed: int) -> dict[str, Any]:
+        """The lane's entry of ``stats()["lanes"]`` (``replayed``: samples re-read)."""
+        return {
+            "read": self.read,
+            "delivered": self.samples_delivered,
+            "tombstoned": dict(self.tombstoned),
+            "replayed": int(replayed),
+            "replay_dropped": self.samples_dropped,
+            "sample_bytes": self.sample_bytes,
+        }
+
+
+class SampleBook:
+    """Every base sample closed in a pass, one by one (``verify=True``).
+
+    Keys are ``(lane, chunk_id, offset)``; a key closed twice is kept in
+    ``duplicates`` and one that belongs to no chunk read here in ``strays``.
+    ``chunks`` maps each ``(lane, chunk_id)`` read to its size.
+    """
+
+    def __init__(self) -> None:
+        self.chunks: dict[tuple[int, int], int] = {}
+        self.closed: set[tuple[int, int, int]] = set()
+        self.duplicates: list[tuple[int, int, int]] = []
+        self.strays: list[tuple[int, int, int]] = []
+
+    def add(self, key: tuple[int, int, int]) -> None:
+        """One closed sample ``(lane, chunk_id, offset)``."""
+        closed = self.closed
+        before = len(closed)
+        closed.add(key)
+        if len(closed) == before:
+            self.duplicates.append(key)
+        elif not 0 <= key[2] < self.chunks.get((key[0], key[1]), 0):
+            self.strays.append(key)
+
+    def add_arrays(self, lane: int, chunks: np.ndarray, offsets: np.ndarray) -> None:
+        """Closed samples of ``lane`` given as arrays of chunk ids and offsets."""
+        for chunk, offset in zip(chunks.tolist(), offsets.tolist()):
+            self.add((lane, chunk, offset))
+
+
+class Accounting:
+    """The books of one iterator: progress per lane and the counters (see the module doc).
+
+    Args:
+        lanes: The lanes of the iterator, in order.
+        flush_every: The pipeline's flush-sentinel period (0: no sentinels).
+        datasets: The source's datasets, by id (for the storage samples occupy).
+        verify: Also keep every closed sample (:attr:`samples`).
+    """
+
+    def __init__(self, lanes: Sequence[int], flush_every: int, datasets: Sequence[Any] = (),
+                 *, verify: bool = False) -> None:
+        self.flush_every = flush_every
+        self.lanes = {lane: LaneProgress(lane, flush_every) for lane in lanes}
+        self.datasets = list(datasets)
+        #: With ``verify=True``, every closed sample; else None.
+        self.samples: SampleBook | None = SampleBook() if verify else None
+        #: The first bad samples (``_KEEP_BAD``): ``(reason, sample_id, detail)``.
+        self.bad: list[tuple[str, tuple[int, int, int], str | None]] = []
+        self.bad_counts: dict[str, int] = {}
+        self.bad_total = 0
+
+    # ------------------------------------------------------------------ events
+
+    def register(self, chunk: Chunk) -> None:
+        """A chunk emitted: its samples are read, and the lane's progress knows it."""
+        lane = self.lanes[chunk.lane_id]
+        lane.register(chunk)
+        lane.sample_bytes += self.sample_bytes(chunk)
+        if self.samples is not None:
+            self.samples.chunks[(chunk.lane_id, chunk.chunk_id)] = len(chunk)
+
+    def sample_bytes(self, chunk: Chunk) -> int:
+        """The storage a chunk's samples occupy (one ``Dataset.sample_bytes`` call per shard
+        run)."""
+        dataset_ids, shard_ids, local_ids = chunk.dataset_ids, chunk.shard_ids, chunk.local_ids
+        n = len(local_ids)
+        if not n or not self.datasets:
+            return 0
+        # Runs of one (dataset, shard): a chunk usually holds one or a few.
+        change = np.flatnonzero((dataset_ids[1:] != dataset_ids[:-1])
+                                | (shard_ids[1:] != shard_ids[:-1])) + 1
+        starts = [0, *change.tolist()]
+        ends = [*change.tolist(), n]
+        total = 0
+        for a, b in zip(starts, ends):
+            dataset = self.datasets[int(dataset_ids[a])]
+            total += dataset.sample_bytes(int(shard_ids[a]), local_ids[a:b])
+        return total
+
+    def delivered_plain(self, lane_id: int, items: Sequence[SampleRecord],
+                        outputs: int | None = None) -> None:
+        """Plain records (no tags) of one lane the caller received, in order.
+
+        Each closes itself. One pass, no call per record. ``outputs`` is the
+        number of items handed over (default: one per record; one for a batch).
+        """
+        lane = self.lanes[lane_id]
+        lane.samples_delivered += len(items)
+        k = self.flush_every
+        counts = lane.delivered_in_epoch
+        if k:
+            for item in items:
+                epoch = item.meta.chunk_id // k
+                counts[epoch] = counts.get(epoch, 0) + 1
+        else:  # no sentinels: each record closes its own offset
+            offsets: dict[int, list[int]] = {}
+            for item in items:
+                meta = item.meta
+                group = offsets.get(meta.chunk_id)
+                if group is None:
+                    group = offsets[meta.chunk_id] = []
+                group.append(meta.chunk_offset)
+            for chunk_id, group in offsets.items():
+                counts[chunk_id] = counts.get(chunk_id, 0) + len(group)
+                lane.close_many(chunk_id, group)
+        last = items[-1].meta
+        lane.cursor = last.as_cursor_key()
+        lane.cursor_epoch = lane.epoch_of(last.chunk_id)
+        lane.outputs += len(items) if outputs is None else outputs
+        if self.samples is not None:
+            add = self.samples.add
+            for item in items:
+                meta = item.meta
+                add((lane_id, meta.chunk_id, meta.chunk_offset))
+
+    def delivered(self, lane_id: int, item: Any) -> None:
+        """An item of ``lane_id`` the caller received (a tagged record, a batch, a block
+        batch): count what it closes, move the replay cursor."""
+        if type(item) is BlockBatch:
+            block = item.block
+            self.lanes[block.lane].samples_delivered += self._rows_received(block, outputs=1)
+            return
+        records = item.records if isinstance(item, SampleBatch) else (item,)
+        if not records:
+            return
+        if all(not record.meta.tags for record in records):  # plain records close themselves
+            self.delivered_plain(lane_id, records, outputs=1)
+            return
+        lane = self.lanes[lane_id]
+        for record in records:
+            lane.samples_delivered += self._close_record(record)
+            lane.delivered(record, count_output=False)
+        lane.outputs += 1
+
+    def tombstone(self, lane_id: int, record: SampleRecord) -> None:
+        """A tombstone reached the consumer: it closes what its record would have."""
+        closes = self._close_record(record)
+        tags = record.meta.tags
+        reason = tags.get(TOMBSTONE_REASON_TAG, "unknown")
+        if self._count_tombstones(lane_id, reason, closes):
+            self.bad.append((reason, tuple(record.meta.sample_id),
+                             tags.get(TOMBSTONE_DETAIL_TAG)))
+
+    def tombstones(self, block: Block) -> None:
+        """A block of tombstones reached the consumer."""
+        self._close_rows(block)
+        closes = block.close_counts().tolist()
+        reasons = block.reason or [None] * len(block)
+        details = block.detail or [None] * len(block)
+        for i, (reason, count) in enumerate(zip(reasons, closes)):
+            reason = reason or "unknown"
+            if self._count_tombstones(block.lane, reason, count):
+                self.bad.append((reason, tuple(block.ids[i, :3].tolist()), details[i]))
+
+    def replay_dropped(self, dropped: SampleRecord | Block) -> None:
+        """Replayed rows the replay filter dropped: the caller had received them before."""
+        if type(dropped) is Block:
+            self.lanes[dropped.lane].samples_dropped += self._rows_received(dropped, outputs=0)
+            return
+        lane = self.lanes[dropped.meta.lane_id]
+        lane.samples_dropped += self._close_record(dropped)
+        lane.delivered(dropped, count_output=False)
+
+    def sentinel(self, lane_id: int, boundary: int) -> None:
+        """Everything of ``lane_id`` before the sentinel of chunk ``boundary`` was received."""
+        self.lanes[lane_id].sentinel_delivered(boundary)
+
+    def lane_ended(self, lane_id: int) -> None:
+        """The lane has ended and the caller has received all of its output."""
+        self.lanes[lane_id].finish()
+
+    # ------------------------------------------------------------------ reports
+
+    def report(self, replayed: dict[int, int]) -> dict[str, Any]:
+        """The counters of ``stats()``: per lane and in total (``replayed``: per lane)."""
+        lanes = {lane: book.counts(replayed.get(lane, 0)) for lane, book in self.lanes.items()}
+        return {
+            "lanes": lanes,
+            "read": sum(v["read"] for v in lanes.values()),
+            "delivered": sum(v["delivered"] for v in lanes.values()),
+            "tombstoned": sum(sum(v["tombstoned"].values()) for v in lanes.values()),
+            "replayed": sum(v["replayed"] for v in lanes.values()),
+            "replay_dropped": sum(v["replay_dropped"] for v in lanes.values()),
+            "sample_bytes": sum(v["sample_bytes"] for v in lanes.values()),
+        }
+
+    def bad_samples(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """The bad samples kept (the first ``limit``), each with where it is."""
+        return [self._describe_bad(entry) for entry in self.bad[:limit]]
+
+    def _describe_bad(self, entry: tuple[str, tuple[int, int, int], str | None]
+                      ) -> dict[str, Any]:
+        reason, sample_id, detail = entry
+        dataset_id, shard_id, local_id = sample_id
+        try:
+            where = self.datasets[dataset_id].locate(shard_id, local_id)
+        except Exception:  # a location is a courtesy; never fail the report
+            where = f"sample {sample_id}"
+        return {"reason": reason, "sample_id": sample_id, "where": where, "detail": detail}
+
+    # ------------------------------------------------------------------ closing
+
+    def _close_record(self, record: SampleRecord) -> int:
+        """Close what ``record`` closes (progress, and the sample book); how many it closes."""
+        meta = record.meta
+        if self.flush_every and self.samples is None:
+            return close_count(meta)  # epochs end at sentinels: closures are not needed
+        closes = list(closed_offsets(meta))
+        if not self.flush_every:
+            lane = self.lanes[meta.lane_id]
+            for chunk_id, offset in closes:
+                lane.close(chunk_id, offset)
+        if self.samples is not None:
+            for chunk_id, offset in closes:
+                self.samples.add((meta.lane_id, chunk_id, offset))
+        return len(closes)
+
+    def _close_rows(self, block: Block) -> None:
+        """Close what a block's rows close (progress, and the sample book)."""
+        if self.flush_every and self.samples is None:
+            return  # epochs end at sentinels: closures are not needed
+        chunks, offsets = block.closed_offsets()
+        if not self.flush_every:
+            self.lanes[block.lane].close_grouped(chunks, offsets)
+        if self.samples is not None:
+            self.samples.add_arrays(block.lane, chunks, offsets)
+
+    def _rows_received(self, block: Block, *, outputs: int) -> int:
+        """A block's rows were received (as ``outputs`` items; 0: before a resume): close,
+        count per epoch, move the cursor, with array operations and no record built.
+        Returns how many base samples they close."""
+        if not len(block):
+            return 0
+        lane = self.lanes[block.lane]
+        chunk_ids = block.ids[:, ID_CHUNK]
+        k = self.flush_every
+        epochs = chunk_ids // k if k else chunk_ids
+        values, counts = np.unique(epochs, return_counts=True)
+        per_epoch = lane.delivered_in_epoch
+        for epoch, count in zip(values.tolist(), counts.tolist()):
+            per_epoch[epoch] = per_epoch.get(epoch, 0) + count
+        self._close_rows(block)
+        lane.cursor = block.cursor_key(len(block) - 1)
+        lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
+        lane.outputs += outputs
+        return int(block.close_counts().sum())
+
+    def _count_tombstones(self, lane_id: int, reason: str, closes: int) -> bool:
+        """Count ``closes`` samples tombstoned for ``reason``; True when the tombstone is a
+        bad sample to keep as an example."""
+        per_lane = self.lanes[lane_id].tombstoned
+        per_lane[reason] = per_lane.get(reason, 0) + closes
+        if not is_error_reason(reason):
+            return False
+        self.bad_total += closes
+        self.bad_counts[reason] = self.bad_counts.get(reason, 0) + closes
+        return len(self.bad) < _KEEP_BAD
+
+
+#: The name ``checkpoint.py`` gave the progress half of these books before they merged.
+ProgressTracker = Accounting

@@ -1,0 +1,155 @@
+"""Saving and resuming a ``PipelineIterator``'s position.
+
+``state_dict()`` and ``load_state_dict()`` are thin methods of the iterator
+(they hold its lock); what they compute is here:
+
+* :func:`lane_entries` and :func:`make_state`: a state from the iterator's
+  books (a lane still replaying a loaded state keeps the loaded entry);
+* :func:`checked_state`: a state validated for this iterator (``check_state``
+  plus its lanes);
+* :func:`plan_resume`: what a loaded state means for a new run: where each
+  lane's progress starts, the replay targets of the replay filter, the
+  windows the source emits again, the emitter's first chunk and the
+  round-robin position.
+
+The state format itself, its checks and the replay filter are in
+``checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from zephon_torch.accounting import Accounting
+from zephon_torch.checkpoint import (
+    STATE_VERSION,
+    check_state,
+    key_from_json,
+    lane_state,
+    state_checksum,
+)
+from zephon_torch.sources.emitter import SourceEmitter
+from zephon_torch.sources.schedule import ScheduleState
+
+__all__ = ["ResumePlan", "checked_state", "lane_entries", "make_state", "plan_resume"]
+
+
+def lane_entries(accounting: Accounting, lanes: Sequence[int], loaded: Mapping[str, Any],
+                 replaying: set[int], emitter: SourceEmitter,
+                 num_lanes: int) -> dict[str, dict[str, Any]]:
+    """Each lane's entry of a state, after the last item handed to the caller.
+
+    A lane still replaying has delivered nothing new, so its position is the
+    loaded one: the lanes in ``replaying`` (the replay filter's pending ones)
+    and those whose output count is still the loaded state's.
+    """
+    saved = loaded["lanes"]
+    replaying = replaying | {
+        lane for lane in lanes
+        if str(lane) in saved and accounting.lanes[lane].outputs == saved[str(lane)]["outputs"]
+    }
+
+    def next_state(global_chunk: int, exhausted: bool) -> ScheduleState | None:
+        pending = emitter.pending_replay(global_chunk)
+        if pending is not None:
+            return pending
+        if exhausted or emitter.finished:
+            return None
+        return emitter.state_of(global_chunk)
+
+    return {
+        str(lane): (dict(saved[str(lane)]) if lane in replaying else
+                    lane_state(accounting.lanes[lane], next_state, num_lanes))
+        for lane in lanes
+    }
+
+
+def make_state(*, deterministic: bool, parts: dict[str, Any], num_lanes: int,
+               lanes: dict[str, Any], round_robin: dict[str, Any] | None) -> dict[str, Any]:
+    """A state with its checksum (``parts``: the fingerprint's parts)."""
+    state = {
+        "version": STATE_VERSION,
+        "deterministic": deterministic,
+        "fingerprint": parts,
+        "num_lanes": num_lanes,
+        "lanes": lanes,
+        "round_robin": round_robin,
+    }
+    state["checksum"] = state_checksum(state)
+    return state
+
+
+def checked_state(state: Any, *, fingerprint: Mapping[str, Any], stage_names: Sequence[str],
+                  deterministic: bool, num_lanes: int, lanes: Sequence[int]) -> dict[str, Any]:
+    """``state`` validated for an iterator over ``lanes`` (see ``check_state``).
+
+    Raises:
+        ValueError: The state is corrupted, from another configuration or
+            another lane count, or lacks one of ``lanes``.
+        NotCheckpointableError: ``deterministic`` is False.
+    """
+    state = check_state(state, fingerprint, stage_names=stage_names,
+                        deterministic=deterministic)
+    if state["num_lanes"] != num_lanes:
+        raise ValueError(f"the state has {state['num_lanes']} lanes, this pipeline {num_lanes}")
+    missing = [lane for lane in lanes if str(lane) not in state["lanes"]]
+    if missing:
+        raise ValueError(
+            f"the state has no entry for lane(s) {missing} (it holds lanes "
+            f"{sorted(int(k) for k in state['lanes'])}); merge every rank's state with "
+            "zephon_torch.checkpoint.merge_states() before resuming on another world size"
+        )
+    return state
+
+
+class ResumePlan(NamedTuple):
+    """Where a resumed run starts (see :func:`plan_resume`)."""
+
+    start: ScheduleState | None  # the emitter's first chunk (None: every lane had ended)
+    lane_next: dict[int, int]  # per lane, the global chunk of its next new chunk
+    replay: list[ScheduleState]  # the chunks of the windows, emitted again first
+    round_robin: int  # the index of the lane to deliver from first
+
+
+def plan_resume(state: Mapping[str, Any], *, lanes: Sequence[int], num_lanes: int,
+                accounting: Accounting,
+                replay_targets: dict[int, tuple[tuple, int, int]]) -> ResumePlan:
+    """Set each lane's progress and replay target from ``state``; the run's start.
+
+    ``accounting`` is fresh; ``replay_targets`` (the replay filter's, empty)
+    receives ``lane -> (cursor key, records to drop, last chunk of the window)``
+    for each lane with a replay cursor.
+    """
+    replay: list[ScheduleState] = []
+    lane_next: dict[int, int] = {}
+    starts: list[ScheduleState] = []
+    for lane in lanes:
+        entry = state["lanes"][str(lane)]
+        window = [ScheduleState.from_json(row[1:]) for row in entry["window"]]
+        replay.extend(window)
+        first_chunk = (int(entry["window"][0][0]) if entry["window"] else
+                       None if entry["next"] is None else
+                       int(entry["next"][0]) // num_lanes)
+        # Epochs before the window are done.
+        accounting.lanes[lane].resume_at(first_chunk, int(entry["outputs"]),
+                                         exhausted=entry["next"] is None)
+        if entry["replay_cursor"] is not None and window:
+            window_end = max(int(row[0]) for row in entry["window"])
+            replay_targets[lane] = (key_from_json(entry["replay_cursor"]),
+                                    int(entry["replay_count"]), window_end)
+        if entry["next"] is None:
+            lane_next[lane] = sys.maxsize
+        else:
+            nxt = ScheduleState.from_json(entry["next"])
+            lane_next[lane] = nxt.global_chunk
+            starts.append(nxt)
+    rr = state.get("round_robin")
+    if rr and rr.get("lanes") == list(lanes):
+        index = int(rr["index"]) % len(lanes)
+    else:  # another topology: start with the lane that has delivered least
+        outputs = [accounting.lanes[lane].outputs for lane in lanes]
+        index = outputs.index(min(outputs))
+    start = min(starts, key=lambda s: s.global_chunk) if starts else None
+    return ResumePlan(start, lane_next, replay, index)

@@ -1,0 +1,122 @@
+"""Who runs which lanes: ranks, world sizes and torch DataLoader workers.
+
+This module sits at the bottom of the package (it imports nothing from
+``zephon_torch`` and never imports torch), so that the pipeline, the
+iterator, the torch wrappers and Lightning all take the answer from one
+place.
+
+**Ranks.** Rank ``r`` of ``world_size`` owns the lanes ``l % world_size ==
+r`` (:func:`owned_lanes`); the rank and world size are explicit, else those
+of an initialised ``torch.distributed`` group, else ``RANK`` and
+``WORLD_SIZE`` from the environment, else 0 and 1 (:func:`resolve_topology`).
+
+**torch DataLoader workers.** Worker ``w`` of ``N`` takes ``rank_lanes[w::N]``
+(:func:`worker_lanes`); torch's loader asks its workers round-robin, so with
+four lanes and two workers::
+
+    worker 0: lanes 0, 2   -> 0 2 0 2 ...
+    worker 1: lanes 1, 3   -> 1 3 1 3 ...
+    loader:                -> 0 1 2 3 0 1 2 3 ...   (our own round-robin order)
+
+as long as the lanes produce equally (a lane that ends early shifts the two
+orders differently; neither duplicates nor drops anything).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+__all__ = ["owned_lanes", "resolve_topology", "worker_info", "worker_lanes"]
+
+
+def resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank and world size: explicit, else ``torch.distributed``, else the environment.
+
+    ``torch.distributed`` is consulted only if torch is already imported (a
+    job that initialised a process group has imported it), so the core never
+    imports torch itself.
+    """
+    if rank is not None and world_size is not None:
+        return int(rank), int(world_size)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        dist = getattr(torch, "distributed", None)
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return (dist.get_rank() if rank is None else int(rank),
+                    dist.get_world_size() if world_size is None else int(world_size))
+    env_rank = os.environ.get("RANK")
+    env_world = os.environ.get("WORLD_SIZE")
+    return (int(env_rank) if rank is None and env_rank is not None else int(rank or 0),
+            int(env_world) if world_size is None and env_world is not None
+            else int(world_size or 1))
+
+
+def owned_lanes(num_lanes: int, rank: int, world_size: int,
+                lanes: Sequence[int] | None = None) -> list[int]:
+    """The lanes of ``rank``: ``l % world_size == rank`` (or an explicit subset)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if world_size > num_lanes:
+        raise ValueError(
+            f"world_size {world_size} exceeds num_lanes {num_lanes}: every rank needs at "
+            f"least one lane; build the pipeline with num_lanes >= {world_size} (num_lanes is "
+            "fixed for the life of a training run and bounds how far it can scale)"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
+    if lanes is not None:
+        chosen = sorted(set(int(lane) for lane in lanes))
+        bad = [lane for lane in chosen if not 0 <= lane < num_lanes]
+        if bad or not chosen:
+            raise ValueError(f"lanes={list(lanes)} must be a nonempty subset of 0..{num_lanes - 1}")
+        return chosen
+    return [lane for lane in range(num_lanes) if lane % world_size == rank]
+
+
+def worker_info() -> tuple[int, int] | None:
+    """``(worker_id, num_workers)`` inside a torch DataLoader worker, else None.
+
+    Looks only at modules already imported: a process that never imported
+    torch is not a torch worker, and asking must not import torch.
+    """
+    data = sys.modules.get("torch.utils.data")
+    get = getattr(data, "get_worker_info", None)
+    if get is None:
+        return None
+    info = get()
+    if info is None:
+        return None
+    return int(info.id), int(info.num_workers)
+
+
+def worker_lanes(num_lanes: int, rank: int | None = None, world_size: int | None = None,
+                 lanes: Sequence[int] | None = None) -> list[int] | None:
+    """This torch worker's share of the rank's lanes; None outside a worker.
+
+    Args:
+        num_lanes: The pipeline's lane count.
+        rank, world_size: The topology (default: detected, as ``Pipeline.iter``).
+        lanes: An explicit subset of lanes for the rank.
+
+    Returns:
+        None when not in a torch DataLoader worker; otherwise the lanes
+        ``rank_lanes[w::N]`` of worker ``w`` of ``N`` (empty when there are
+        more workers than lanes; worker 0 warns about it then).
+    """
+    info = worker_info()
+    if info is None:
+        return None
+    worker_id, num_workers = info
+    rank, world_size = resolve_topology(rank, world_size)
+    rank_lanes = owned_lanes(num_lanes, rank, world_size, lanes)
+    if num_workers > len(rank_lanes) and worker_id == 0:  # one warning, not one per worker
+        warnings.warn(
+            f"the DataLoader has {num_workers} workers but this rank owns {len(rank_lanes)} "
+            f"lane(s): {num_workers - len(rank_lanes)} worker(s) will yield nothing; use at "
+            f"most {len(rank_lanes)} workers or build the pipeline with more lanes",
+            RuntimeWarning, stacklevel=3,
+        )
+    return rank_lanes[worker_id::num_workers]

@@ -136,3 +136,25 @@ def test_tokenize_keeps_dict_payloads_of_other_shapes_per_row(tokenizer: Any) ->
     tok = Tokenize(tokenizer, on_error="skip")
     tok.setup(_ctx(pipe))
     _both(tok, records)
+
+
+def test_tokenize_chat_decides_on_blocks_as_on_records(tokenizer: Any) -> None:
+    from zephon_torch.ops.tokenize import TokenizeChat
+
+    rng = np.random.default_rng(5)
+    items: list[Any] = []
+    for i in range(120):
+        words = [" ".join(f"w{int(x)}" for x in rng.integers(0, 40, rng.integers(0, 9)))
+                 for _ in range(int(rng.integers(1, 5)))]
+        turns = [{"role": ("user", "assistant")[t % 2], "content": w} for t, w in enumerate(words)]
+        items.append({"messages": turns, "id": i})
+    items[17] = {"messages": [{"role": "user", "content": "x\ud800"}], "id": 17}
+    pipe = zt.Pipeline.from_items(items, num_lanes=1)
+    records = _with_tombstones(_source_records(pipe))
+    for max_length in (None, 10):
+        op = TokenizeChat(tokenizer, on_error="skip", max_length=max_length)
+        op.setup(_ctx(pipe))
+        _both(op, records, seed=6)
+    blocks = blocks_from_elements(records[:40])
+    out = TokenizeChat(tokenizer, on_error="skip").process_block(blocks[0])
+    assert out.fields is not None and "input_ids" in out.fields  # ids travel as columns

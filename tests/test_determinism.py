@@ -61,6 +61,14 @@ def long_enough(payload: dict) -> bool:
     return payload["words"] > 5
 
 
+def as_chat(payload: dict) -> dict:
+    """A conversation cut from the document's words: user and assistant turns in turn."""
+    words = payload["text"].split()
+    turns = [" ".join(words[i:i + 7]) for i in range(0, len(words), 7)] or [""]
+    return {"messages": [{"role": ("user", "assistant")[i % 2], "content": t}
+                         for i, t in enumerate(turns)]}
+
+
 PIPELINES: dict[str, Callable[[Path, Any], Pipeline]] = {
     "fetch_decode": lambda c, t: text_pipe(c),
     "tokenize": tokenized,
@@ -70,6 +78,8 @@ PIPELINES: dict[str, Callable[[Path, Any], Pipeline]] = {
                                                                   algorithm="best_fit"),
     "pack_flat_wrap": lambda c, t: tokenized(c, t).pack_flat(64, algorithm="wrap"),
     "pack_sequences": lambda c, t: tokenized(c, t).pack_sequences(96, num_bins=3),
+    "tokenize_chat_pack": lambda c, t: text_pipe(c).map_transform(as_chat).tokenize_chat(
+        t, max_length=80).pack_sequences(96, num_bins=3),
     "pack_flat_best_fit_decreasing": lambda c, t: tokenized(c, t).pack_flat(
         64, algorithm="best_fit_decreasing", bfd_window=12),
     "pack_sequences_best_fit_decreasing": lambda c, t: tokenized(c, t).pack_sequences(

@@ -11,6 +11,7 @@ import zephon_torch as zt
 from tests.harness import assert_restores_everywhere, assert_same, collect
 from zephon_torch.ops.base import Element, Operator, OpTraits
 from zephon_torch.ops.fused import FusedOperator
+from zephon_torch.types import SampleRecord
 
 
 class Barrier(Operator):
@@ -137,3 +138,48 @@ def test_process_runner_cuts_bigger_micro_batches_for_elementwise_stages() -> No
         finally:
             it.close()
     assert sizes == {("process", False): 512, ("process", True): 16, ("threads", False): 64}
+
+
+class _RecordsOnly(Operator):
+    """An elementwise user operator with no block path: it sees records."""
+
+    def __init__(self, name: str, key: str) -> None:
+        self.name, self.key, self.seen = name, key, 0
+        self.inputs: list[Element] = []
+        self.outputs: list[Element] = []
+
+    def traits(self) -> OpTraits:
+        return OpTraits(elementwise=True)
+
+    def process_many(self, elems: Sequence[Element]) -> list[Element]:
+        out = []
+        self.inputs = list(elems)
+        for rec in elems:
+            self.seen += 1
+            if rec.payload is not None and not rec.meta.is_sentinel:
+                rec = SampleRecord(rec.meta, {**rec.payload, self.key: len(rec.payload["text"])})
+            out.append(rec)
+        self.outputs = out
+        return out
+
+
+def test_a_fused_block_runs_record_only_parts_back_to_back_on_one_view() -> None:
+    from zephon_torch.block import blocks_from_elements
+    from zephon_torch.ops.base import OpContext
+    from zephon_torch.ops.transform import Filter, MapTransform
+
+    pipe = zt.Pipeline.from_items(_items(40), num_lanes=1, chunk_size=64)
+    first, second = _RecordsOnly("first", "n"), _RecordsOnly("second", "m")
+    ops = [("map_transform", MapTransform(_upper)), ("first", first), ("second", second),
+           ("filter", Filter(_keep))]
+    fused = FusedOperator(ops)
+    fused.setup(OpContext())
+    records = list(pipe.iter(runner="inline"))
+    block = blocks_from_elements(records)[0]
+    got = fused.process_block(block).records()
+    # the second part was handed the first part's own records, not a re-view of a block
+    assert all(a is b for a, b in zip(first.outputs, second.inputs, strict=True))
+    assert got == fused.process_many(records)
+    assert [r.payload["n"] == r.payload["m"] == len(r.payload["text"]) for r in got
+            if r.payload is not None] == [True] * (len(records) - len(records) // 3 - 1)
+    assert first.seen == second.seen == 2 * len(records)  # once per path, no extra views

@@ -230,11 +230,13 @@ def _from_columns(
             info = np.iinfo(labels.dtype)
             if not info.min <= ignore_index <= info.max:
                 return None
-        grid = np.arange(in_width)
-        ignored = grid[None, :] >= (width - pad - 1)[:, None]
+        # Label j is token j + 1: a row's labels from width - pad - 1 on are pads (a
+        # few slice writes, cheaper than a mask over the whole batch).
+        for i, start in enumerate((width - pad - 1).tolist()):
+            if start < in_width:
+                labels[i, max(start, 0):] = ignore_index
         if eos_token_id is not None:
-            ignored |= inputs == eos_token_id
-        np.putmask(labels, ignored, ignore_index)
+            np.putmask(labels, inputs == eos_token_id, ignore_index)
         out["input_ids"] = convert(inputs, None)
         out["labels"] = convert(labels, None)
     else:
@@ -278,10 +280,10 @@ def _uniform_cu_seqlens(positions: np.ndarray, lengths: np.ndarray
     rows, width = positions.shape
     flat = np.flatnonzero(positions == 0)
     row_idx, col_idx = np.divmod(flat, max(width, 1))
-    bounds = np.empty(len(flat) + 1, dtype=np.int32)
-    bounds[:-1] = flat
-    bounds[-1] = rows * width
-    return _per_row(rows, row_idx, col_idx, bounds[1:] - bounds[:-1], lengths)
+    bounds_all = np.empty(len(flat) + 1, dtype=np.int32)
+    bounds_all[:-1] = flat
+    bounds_all[-1] = rows * width
+    return _per_row(rows, row_idx, col_idx, bounds_all[1:] - bounds_all[:-1], lengths)
 
 
 def _per_row(rows: int, row_idx: np.ndarray, col_idx: np.ndarray, seg_lengths: np.ndarray,

@@ -508,6 +508,40 @@ class Block:
                 out[i] = None
         return out
 
+    def columnar(self) -> Block:
+        """The same rows with their dict payloads as columns, where they allow it.
+
+        Every data row's payload must be a dict with the same keys; a field
+        whose values are all 1-D integer arrays becomes a :class:`Ragged`
+        column (one copy), any other field a list. Otherwise the block is
+        returned as it is.
+        """
+        if self.fields is not None or self.payloads is None:
+            return self
+        dead = self.tomb
+        keys = None
+        for i, p in enumerate(self.payloads):
+            if dead is not None and dead[i]:
+                continue
+            if type(p) is not dict or (keys is not None and list(p) != keys):
+                return self
+            keys = keys if keys is not None else list(p)
+        if keys is None:
+            return self
+        fields: dict[str, Any] = {}
+        for key in keys:
+            values = [None if (dead is not None and dead[i]) else p[key]
+                      for i, p in enumerate(self.payloads)]
+            live = [v for v in values if v is not None]
+            if live and all(type(v) is np.ndarray and v.ndim == 1 and v.dtype.kind in "iu"
+                            and v.dtype == live[0].dtype for v in live):
+                fields[key] = Ragged.from_rows(
+                    [np.zeros(0, live[0].dtype) if v is None else v for v in values],
+                    dtype=live[0].dtype)
+            else:
+                fields[key] = values
+        return self.with_fields(fields)
+
     def with_payloads(self, payloads: list[Any]) -> Block:
         """The same rows with new payload objects (one per row)."""
         return self._replace(payloads=payloads, fields=None)

@@ -67,14 +67,23 @@ class FusedOperator(Operator):
         return list(out) if type(out) is not list else out
 
     def process_block(self, block: Block) -> Block:
-        """Run the block through each part: its block path, or its records once viewed."""
+        """Run the block through each part: its block path, or its records.
+
+        Consecutive parts without a block path share one view of the rows as
+        records; the block is rebuilt once, before the next block path or at
+        the end.
+        """
+        lane = block.lane
+        records: list[Element] | None = None
         for name, op in self.parts:
             if op.has_block_path():
+                if records is not None:
+                    block, records = Block.from_records(records, lane=lane), None
                 block = op.process_block(block)
             else:
-                records = check_elements(op.process_many(block.records()), name)
-                block = Block.from_records(records, lane=block.lane)
-        return block
+                records = check_elements(
+                    op.process_many(block.records() if records is None else records), name)
+        return block if records is None else Block.from_records(records, lane=lane)
 
     def traits(self) -> OpTraits:
         """Elementwise; order, pointers and fan-out as the parts say."""

@@ -742,6 +742,12 @@ class TokenizeChat(_TokenizerOperator):
             out[i] = self._build(elems[i], pieces, id_lists)
         return out
 
+    def process_block(self, block: Block) -> Block:
+        """:meth:`process_many` on the block's records (conversations are rendered one by
+        one), the ids and loss masks then held as ragged columns for the next stages."""
+        out = Block.from_records(self.process_many(block.records()), lane=block.lane)
+        return out.columnar()
+
     @staticmethod
     def _unencodable(messages: Sequence[Mapping[str, Any]], exc: Exception) -> str:
         """What is wrong with a (valid) conversation the tokenizer cannot encode."""

@@ -106,13 +106,14 @@ def test_a_rank_runs_only_its_lanes_in_its_workers():
 
 
 def test_stats_are_those_of_the_inline_runner(corpus_dir, tokenizer):
-    pipe = (zt.Pipeline.from_jsonl(str(corpus_dir / "web" / "*.jsonl"), num_lanes=4,
-                                   chunk_size=16, flush_every_k_chunks=2)
-            .fetch().decode_text().tokenize(tokenizer).pack_flat(64).batch(4))
+    def build() -> zt.Pipeline:  # afresh for each run: a dataset caches what it read
+        return (zt.Pipeline.from_jsonl(str(corpus_dir / "web" / "*.jsonl"), num_lanes=4,
+                                       chunk_size=16, flush_every_k_chunks=2)
+                .fetch().decode_text().tokenize(tokenizer).pack_flat(64).batch(4))
+
     stats = {}
-    # inline twice: the first run may build the shards' line indexes (reads that count).
-    for runner, kwargs in (("inline", {}), ("inline", {}), ("lanes", {"num_workers": 3})):
-        it = pipe.iter(runner=runner, **kwargs)
+    for runner, kwargs in (("inline", {}), ("lanes", {"num_workers": 3})):
+        it = build().iter(runner=runner, **kwargs)
         try:
             list(it)
             stats[runner] = it.stats()
@@ -120,9 +121,11 @@ def test_stats_are_those_of_the_inline_runner(corpus_dir, tokenizer):
             it.close()
     inline, lanes = stats["inline"], stats["lanes"]
     for key in ("lanes", "read", "delivered", "tombstoned", "sample_bytes", "stages",
-                "bad_samples", "bytes_read"):
+                "bad_samples"):
         assert lanes[key] == inline[key], key
-    assert lanes["bytes_read"] > 0  # what the workers read is counted
+    # What the workers read is counted: at least what one process reads (each worker
+    # reads the parts of the files its lanes need, and a file's lanes may be in several).
+    assert lanes["bytes_read"] >= inline["bytes_read"] > 0
 
 
 def test_every_sample_is_closed_exactly_once():
@@ -134,19 +137,36 @@ def test_every_sample_is_closed_exactly_once():
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_the_state_after_every_item_is_the_inline_state_although_workers_run_ahead(workers):
+def test_the_state_after_every_item_resumes_exactly_although_workers_run_ahead(workers):
     pipe = _pipe(60)
+    reference = collect(pipe, runner="inline")
     inline = pipe.iter(runner="inline")
     lanes = PipelineIterator(pipe, runner="lanes", num_workers=workers, prefetch=8)
+
+    def assert_position(state: dict, step: int, *, ended: bool = False) -> None:
+        want = inline.state_dict()
+        # What was handed out per lane, and the round-robin, are the inline runner's;
+        # a lane's window may differ (its chunks registered ahead, here or in a worker).
+        assert {k: v["outputs"] for k, v in state["lanes"].items()} == {
+            k: v["outputs"] for k, v in want["lanes"].items()}, f"after item {step}"
+        if not ended:  # once every lane has ended, where the round-robin stopped is moot
+            assert state["round_robin"] == want["round_robin"], f"after item {step}"
+        resumed = pipe.iter(runner="inline")
+        try:
+            resumed.load_state_dict(json.loads(json.dumps(state)))
+            assert_same(reference[step + 1:], list(resumed), label=f"after item {step}")
+        finally:
+            resumed.close()
+
     try:
         assert lanes.state_dict() == inline.state_dict()
         for step, want in enumerate(inline):
             got = next(lanes)
             assert_same([want], [got], label=f"item {step}")
-            assert lanes.state_dict() == inline.state_dict(), f"after item {step}"
+            assert_position(lanes.state_dict(), step)
         with pytest.raises(StopIteration):
             next(lanes)
-        assert lanes.state_dict() == inline.state_dict()
+        assert_position(lanes.state_dict(), len(reference) - 1, ended=True)
     finally:
         inline.close()
         lanes.close()
@@ -246,8 +266,8 @@ _NO_GUARD = textwrap.dedent("""
     texts = [f"doc {i}" for i in range(40)]
     pipe = zt.Pipeline.from_items(texts, num_lanes=4, chunk_size=4).map_transform(
         lambda p: {"text": p["text"].upper()}).batch(2)
-    lanes = [b.to_training()["texts"] for b in pipe.iter(runner="lanes", num_workers=2)]
-    inline = [b.to_training()["texts"] for b in pipe.iter(runner="inline")]
+    lanes = [[r.payload["text"] for r in b] for b in pipe.iter(runner="lanes", num_workers=2)]
+    inline = [[r.payload["text"] for r in b] for b in pipe.iter(runner="inline")]
     print("same" if lanes == inline else "different", len(lanes))
 """)
 

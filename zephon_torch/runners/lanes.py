@@ -393,12 +393,14 @@ class LaneRun:
         self._directory = shm.segment_dir()
         self._prefix = shm.new_prefix()
         self._lock = threading.Lock()
-        self._pid = os.getpid()
         self._started = False
         self._closing = False
         self.waiting_on: _Worker | None = None  # the worker a pump waits for (timeouts)
-        self._finalizer = weakref.finalize(self, _shutdown, self.workers, self._directory,
-                                           self._prefix, os.getpid())
+        # What tears the workers down: kept apart from this object (which refers to
+        # the iterator's books) so that the SIGTERM registry holds it without keeping
+        # the run alive, and a run dropped unclosed is reaped at garbage collection.
+        self._teardown = _Teardown(self.workers, self._directory, self._prefix)
+        self._finalizer = weakref.finalize(self, self._teardown.shutdown)
 
     # ------------------------------------------------------------------ start
 
@@ -438,7 +440,7 @@ class LaneRun:
                 self._closing = True
                 self._finalizer()
                 raise
-            _watch_sigterm(self)
+            _watch_sigterm(self._teardown)
 
     def _send_jobs(self) -> None:
         import cloudpickle  # user functions in the pipeline travel by value
@@ -576,13 +578,54 @@ class LaneRun:
                 return
             self._closing = True
         self._finalizer()
+
+
+class _Teardown:
+    """Stops the workers of a run and sweeps its segments (at close, collection or SIGTERM).
+
+    Registered with the process runner's SIGTERM handling (``process.py``) for
+    as long as the workers run.
+    """
+
+    def __init__(self, workers: list[_Worker], directory: str, prefix: str) -> None:
+        self.workers = workers  # the run's list, filled as the workers start
+        self.directory = directory
+        self.prefix = prefix
+        self.pid = os.getpid()
+
+    def shutdown(self) -> None:
+        """Stop the workers (politely, then SIGTERM, then SIGKILL), join them, sweep."""
+        if os.getpid() != self.pid:  # a forked child collecting its copy: its parent's
+            return
         _unwatch_sigterm(self)
+        workers = self.workers
+        for worker in workers:
+            with contextlib.suppress(OSError):
+                os.kill(worker.process.pid, signal.SIGCONT)  # a stopped one could not stop
+            with contextlib.suppress(OSError):
+                worker.control.send_bytes(_STOP)
+        deadline = time.monotonic() + _STOP_TIMEOUT
+        for worker in workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for worker in workers:
+            if worker.process.is_alive():
+                worker.process.terminate()
+        for worker in workers:
+            worker.process.join(timeout=_STOP_TIMEOUT)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+        for worker in workers:
+            with contextlib.suppress(OSError):
+                worker.control.close()
+            with contextlib.suppress(OSError):
+                worker.data.close()
+        shm.sweep_prefix(self.directory, self.prefix)
 
     def terminate_now(self) -> None:
         """Kill the workers and unlink the segments, from a SIGTERM handler (``process.py``)."""
-        if os.getpid() != self._pid:  # a forked child: these are its parent's
+        if os.getpid() != self.pid:  # a forked child: these are its parent's
             return
-        self._closing = True
         for worker in self.workers:
             with contextlib.suppress(Exception):
                 worker.process.kill()
@@ -590,30 +633,4 @@ class LaneRun:
         for worker in self.workers:
             with contextlib.suppress(Exception):
                 worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        shm.sweep_prefix(self._directory, self._prefix)
-
-
-def _shutdown(workers: list[_Worker], directory: str, prefix: str, owner: int) -> None:
-    """Stop the workers (politely, then SIGTERM, then SIGKILL), join them, sweep the segments."""
-    if os.getpid() != owner:  # a forked child collecting its copy: these are its parent's
-        return
-    for worker in workers:
-        with contextlib.suppress(OSError):
-            os.kill(worker.process.pid, signal.SIGCONT)  # a stopped one could not stop
-        with contextlib.suppress(OSError):
-            worker.control.send_bytes(_STOP)
-    deadline = time.monotonic() + _STOP_TIMEOUT
-    for worker in workers:
-        worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-    for worker in workers:
-        if worker.process.is_alive():
-            worker.process.terminate()
-    for worker in workers:
-        worker.process.join(timeout=_STOP_TIMEOUT)
-        if worker.process.is_alive():
-            worker.process.kill()
-            worker.process.join()
-    for worker in workers:
-        with contextlib.suppress(OSError):
-            worker.control.close()
-    shm.sweep_prefix(directory, prefix)
+        shm.sweep_prefix(self.directory, self.prefix)

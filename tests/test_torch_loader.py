@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,21 @@ def test_lane_workers_are_the_default_with_workers_and_each_owns_its_lanes():
     assert os.getpid() not in it.worker_pids
     loader.close()
     assert _wait_gone(set(it.worker_pids)) == set()
+
+
+def test_more_workers_than_lanes_warn_once_at_the_callers_line_and_output_is_unchanged():
+    pipe = _pipe(num_lanes=2)
+    loader = DataLoader(pipe, num_workers=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        epochs = [list(loader) for _ in range(2)]
+    idle = [w for w in caught if "worker(s) get no lane" in str(w.message)]
+    assert len(idle) == 1, [str(w.message) for w in caught]
+    assert "5 workers but this rank owns 2 lane(s): 3 worker(s) get no lane" in str(
+        idle[0].message)
+    assert idle[0].filename == __file__
+    for got in epochs:
+        _assert_same(got, _reference(pipe))
 
 
 def test_to_training_options_reach_to_training_in_the_engine():
@@ -360,7 +376,14 @@ def test_an_error_in_the_pipeline_reaches_the_caller_with_its_type_after_earlier
             got.append(batch)
     if where is not None:  # the traceback of the process where it was raised
         assert where in str(info.value.__cause__)
-    assert [b["ids"][0][2] for b in got] == [0, 2, 4, 6, 8, 10, 12, 14]
+    want = [0, 2, 4, 6, 8, 10, 12, 14]
+    firsts = [b["ids"][0][2] for b in got]
+    if mode == "engine":
+        # A stage-parallel runner raises when the failed micro-batch is released, and
+        # may drop batches finished in the same step: a prefix, never a gap.
+        assert firsts == want[:len(firsts)]
+    else:
+        assert firsts == want
     assert multiprocessing.active_children() == [] and _segments() == []
 
 

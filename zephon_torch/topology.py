@@ -32,8 +32,8 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-__all__ = ["deal_lanes", "lane_shares", "owned_lanes", "resolve_topology", "worker_info",
-           "worker_lanes"]
+__all__ = ["deal_lanes", "lane_shares", "owned_lanes", "resolve_topology", "warn_idle_workers",
+           "worker_info", "worker_lanes"]
 
 
 def resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -101,16 +101,18 @@ def lane_shares(rank_lanes: Sequence[int], num_workers: int, *, stacklevel: int 
     """
     shares = deal_lanes(rank_lanes, num_workers)
     if num_workers > len(rank_lanes):
-        _warn_idle(num_workers, len(rank_lanes), stacklevel + 1)
+        warn_idle_workers(num_workers, len(rank_lanes), stacklevel)
     return [share for share in shares if share]
 
 
-def _warn_idle(num_workers: int, num_lanes: int, stacklevel: int) -> None:
+def warn_idle_workers(num_workers: int, num_lanes: int, stacklevel: int) -> None:
+    """The warning for workers beyond a rank's lanes (``stacklevel`` as ``warnings.warn``
+    would take it in the caller of this function)."""
     warnings.warn(
         f"{num_workers} workers but this rank owns {num_lanes} lane(s): "
         f"{num_workers - num_lanes} worker(s) get no lane and do nothing; use at most "
         f"{num_lanes} workers or build the pipeline with more lanes",
-        RuntimeWarning, stacklevel=stacklevel,
+        RuntimeWarning, stacklevel=stacklevel + 1,
     )
 
 
@@ -151,5 +153,5 @@ def worker_lanes(num_lanes: int, rank: int | None = None, world_size: int | None
     rank, world_size = resolve_topology(rank, world_size)
     rank_lanes = owned_lanes(num_lanes, rank, world_size, lanes)
     if num_workers > len(rank_lanes) and worker_id == 0:  # one warning, not one per worker
-        _warn_idle(num_workers, len(rank_lanes), 4)
+        warn_idle_workers(num_workers, len(rank_lanes), 3)
     return deal_lanes(rank_lanes, num_workers)[worker_id]

@@ -136,7 +136,7 @@ from zephon_torch.checkpoint import check_state, merge_states, refuse_nondetermi
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
 from zephon_torch.runners.resume import narrow_state
-from zephon_torch.topology import owned_lanes, resolve_topology
+from zephon_torch.topology import owned_lanes, resolve_topology, warn_idle_workers
 from zephon_torch.torch._loader_dist import StepVote
 from zephon_torch.torch._loader_dist import gather as gather_states
 from zephon_torch.torch._loader_engine import (
@@ -293,6 +293,7 @@ class DataLoader:
         self.iter_kwargs = dict(iter_kwargs)
         self._fingerprint = self.pipeline.fingerprint()
         self._position = Position()
+        self._warned_idle = False  # more lane workers than lanes: said once
         self._loaded: dict[str, Any] | None = None  # waits for the next iteration
         # The current iteration's iterator (held weakly: a dropped iterator ends its run).
         self._active: weakref.ref[_LoaderIterator] | None = None
@@ -371,9 +372,15 @@ class DataLoader:
         # The core's default pool size when a runner was named with num_workers=0.
         iter_kwargs["num_workers"] = self.num_workers or None
         if self.runner == "lanes" and self.num_workers:
+            num_lanes = len(self._own_lanes())
+            if self.num_workers > num_lanes:
+                if not self._warned_idle:  # once per loader, at the caller's next()
+                    self._warned_idle = True
+                    warn_idle_workers(self.num_workers, num_lanes, stacklevel=4)
+                iter_kwargs["num_workers"] = max(1, num_lanes)  # warned here, not again
             # As torch's prefetch_factor batches per worker: here per lane a worker owns
             # (a worker's messages carry its lanes' batches in turn).
-            per_worker = -(-len(self._own_lanes()) // self.num_workers)
+            per_worker = -(-num_lanes // self.num_workers)
             iter_kwargs["prefetch"] = self.prefetch_factor * max(1, per_worker)
         spec = EngineSpec(pipeline=self.pipeline, iter_kwargs=iter_kwargs, state=state,
                           to_training=self.to_training)

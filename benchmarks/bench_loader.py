@@ -45,8 +45,13 @@ over several rounds (median reported):
    warm (after the first ``--warm`` steps) the mean time ``next()`` blocks,
    as % of the step time (target < 1%).
 
+``--shuffle ROWS`` adds a shuffle buffer of ``ROWS`` packed rows in all to
+both loaders (zephon: ``.shuffle(ROWS)`` after packing; torch: ``ROWS /
+num_workers`` rows in each worker), for the time to the first batch with a
+buffer of the same total size.
+
 Run: ``.venv/bin/python benchmarks/bench_loader.py [--job text --mb 60 --workers 0,2
---rounds 3]``. The corpora and the tokenizers are generated under
+--rounds 3 --shuffle 0]``. The corpora and the tokenizers are generated under
 ``benchmarks/.data`` once.
 """
 
@@ -161,9 +166,30 @@ def _token_docs(files: list[str], worker: int, workers: int) -> Iterator[np.ndar
         yield from read_row_group(path, group)
 
 
+def _shuffled(rows: Iterator[Any], size: int, seed: int) -> Iterator[Any]:
+    """A shuffle buffer of ``size`` rows, as a user writes one (0: no shuffle)."""
+    if size <= 0:
+        yield from rows
+        return
+    rng = np.random.default_rng(seed)
+    buffer: list[Any] = []
+    for row in rows:
+        if len(buffer) < size:
+            buffer.append(row)
+            continue
+        i = int(rng.integers(size))
+        buffer[i], row = row, buffer[i]
+        yield row
+    rng.shuffle(buffer)
+    yield from buffer
+
+
 def packed_batches_dataset(files: list[str], tokenizer_path: str, job: str = "text",
-                           tensors: bool = True) -> Any:
-    """The hand-written ``IterableDataset`` (built here so torch is imported lazily)."""
+                           tensors: bool = True, shuffle: int = 0) -> Any:
+    """The hand-written ``IterableDataset`` (built here so torch is imported lazily).
+
+    ``shuffle`` is the total shuffle buffer in rows, split over the workers.
+    """
     import torch.utils.data
 
     class PackedBatches(torch.utils.data.IterableDataset):
@@ -175,14 +201,14 @@ def packed_batches_dataset(files: list[str], tokenizer_path: str, job: str = "te
             docs = (_text_docs(files, tokenizer_path, worker, workers) if job == "text"
                     else _token_docs(files, worker, workers))
             packer = _FirstFit()
+
+            def packed() -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+                for doc in docs:
+                    yield from packer.add(doc)
+                yield from packer.flush()
+
             rows: list[tuple[np.ndarray, np.ndarray, int]] = []
-            for doc in docs:
-                for row in packer.add(doc):
-                    rows.append(row)
-                    if len(rows) == BATCH:
-                        yield _collate(rows, tensors)
-                        rows = []
-            for row in packer.flush():
+            for row in _shuffled(packed(), -(-shuffle // workers), seed=worker):
                 rows.append(row)
                 if len(rows) == BATCH:
                     yield _collate(rows, tensors)
@@ -223,13 +249,14 @@ def _chunks(files: list[str]) -> Iterator[list[bytes]]:
 
 
 def make_loader(name: str, files: list[str], tokenizer_path: str, workers: int,
-                job: str = "text", lanes: int | None = None) -> Any:
+                job: str = "text", lanes: int | None = None, shuffle: int = 0) -> Any:
     if name in ("torch", "torch-np"):
         import torch.utils.data
 
         tensors = name == "torch"
         loader = torch.utils.data.DataLoader(
-            packed_batches_dataset(files, tokenizer_path, job, tensors=tensors),
+            packed_batches_dataset(files, tokenizer_path, job, tensors=tensors,
+                                   shuffle=shuffle),
             batch_size=None, num_workers=workers)
         return loader if tensors else _TensorsHere(loader)
     import zephon_torch as zt
@@ -245,7 +272,10 @@ def make_loader(name: str, files: list[str], tokenizer_path: str, workers: int,
                 .tokenize(Tokenizer.from_file(tokenizer_path), special_tokens="eos"))
     else:
         pipe = zt.Pipeline.from_parquet(files, columns=["input_ids"], **source).fetch()
-    pipe = pipe.pack_flat(ROW, num_bins=BINS).batch(BATCH, drop_last=False)
+    pipe = pipe.pack_flat(ROW, num_bins=BINS)
+    if shuffle:
+        pipe = pipe.shuffle(shuffle, seed=0)
+    pipe = pipe.batch(BATCH, drop_last=False)
     return DataLoader(pipe, num_workers=workers, runner=runner,
                       to_training={"return_labels": True})
 
@@ -302,7 +332,7 @@ def run_child(args: argparse.Namespace) -> None:
     import zephon_torch.torch.loader  # noqa: F401
 
     loader = make_loader(args.child, files, args.tokenizer, int(args.workers), args.job,
-                         args.lanes)
+                         args.lanes, args.shuffle)
     if args.measure == "throughput":
         result = throughput(loader)
     else:
@@ -315,7 +345,7 @@ def child(name: str, workers: int, measure: str, files: list[Path], tokenizer: P
     cmd = [sys.executable, __file__, "--child", name, "--measure", measure,
            "--tokenizer", str(tokenizer), "--files", ",".join(str(f) for f in files),
            "--workers", str(workers), "--steps", str(args.steps), "--warm", str(args.warm),
-           "--job", args.job]
+           "--job", args.job, "--shuffle", str(args.shuffle)]
     if args.lanes:
         cmd += ["--lanes", str(args.lanes)]
     out = subprocess.run(cmd, capture_output=True, text=True,
@@ -333,6 +363,9 @@ def main() -> None:
                         "the token corpus is made from, for --job token)")
     parser.add_argument("--lanes", type=int, default=None,
                         help="zephon's num_lanes (default: max(1, num_workers))")
+    parser.add_argument("--shuffle", type=int, default=0,
+                        help="a shuffle buffer of this many packed rows in all (zephon: "
+                        ".shuffle(n) after packing; torch: n / num_workers rows per worker)")
     parser.add_argument("--runners", default="lanes",
                         help="zephon's runners: lanes (the default) and/or process")
     parser.add_argument("--workers", default="0,2",
@@ -362,8 +395,9 @@ def main() -> None:
             runs[(name, w)].append(child(name, w, "throughput", files, tokenizer, args))
     what = ("JSONL, tokenize" if args.job == "text" else
             "(as text) pre-tokenized Parquet, several row groups a shard,")
-    print(f"loader benchmark ({args.job} job): {args.mb:g} MB {what} + pack {ROW} + batch "
-          f"{BATCH}, {os.cpu_count()} CPUs, median of {args.rounds} rounds")
+    shuffled = f" + shuffle {args.shuffle} rows" if args.shuffle else ""
+    print(f"loader benchmark ({args.job} job): {args.mb:g} MB {what} + pack {ROW}{shuffled} + "
+          f"batch {BATCH}, {os.cpu_count()} CPUs, median of {args.rounds} rounds")
     print("| loader | num_workers | batches | non-pad tokens | batches/s over the whole run, "
           "start-up included (min-max) | first batch s |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -437,7 +437,7 @@ def _items() -> Pipeline:
 
 PARAMETERS = {
     "tokenize max_length=0": (lambda tok: _items().tokenize(tok, max_length=0),
-                              r"max_length must be an int >= 2 .*got 0"),
+                              r"max_length must be an int >= 1 .*got 0"),
     "pack_flat max_length=0": (lambda tok: _items().pack_flat(0, pad_token_id=0),
                                r"max_length must be an integer >= 1, got 0; pass the row length"),
     "batch microbatch_size=-1": (lambda tok: _items().batch(-1),

@@ -124,7 +124,7 @@ def test_an_sft_pipeline_supervises_only_the_assistant(tmp_path: Path, tokenizer
     starts = batch["position_ids"] == 0
     assert torch.equal(batch["labels"] != -100, (mask == 1) & ~starts)
     supervised = tok.decode(batch["labels"][batch["labels"] != -100].tolist())
-    assert "answer 0" in supervised and "<|im_end|>" in supervised
+    assert "answer" in supervised and "<|im_end|>" in supervised
     assert "question" not in supervised and "user" not in supervised
     model = llama(len(tok))
     loss = model(**batch).loss

@@ -205,7 +205,8 @@ def test_a_transformers_tokenizer_without_eos_is_an_error_not_a_guess(tok):
     transformers = pytest.importorskip("transformers")
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
     # "<|endoftext|>" is in the vocabulary, but the tokenizer does not call it its EOS.
-    with pytest.raises(ValueError, match=r"the transformers tokenizer \(PreTrainedTokenizerFast\) "
+    # (transformers 5 calls the class TokenizersBackend, 4.x PreTrainedTokenizerFast)
+    with pytest.raises(ValueError, match=r"the transformers tokenizer \(\w+\) "
                                          r"does not name: no EOS token \(.*names no eos_token; "
                                          r"token names are not guessed\); pass eos_token_id="):
         Tokenize(fast)
@@ -769,15 +770,20 @@ def test_a_directory_without_template_falls_back_to_the_built_in_one(tmp_path, t
 
 
 def test_a_jinja_string_template_sees_the_guessed_special_tokens_of_a_bare_tokenizer(tok):
+    # Newlines as {{ '\\n' }}: trim_blocks (as in transformers) drops one after a block tag.
     template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-                "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant: {% endif %}")
-    ids, mask = _chat(TokenizeChat(tok, chat_template=template), CONVO[1:3])
+                "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    messages = [{"role": "user", "content": "Hello world?"},
+                {"role": "assistant", "content": "quick brown fox."}]
+    ids, mask = _chat(TokenizeChat(tok, chat_template=template), messages)
     assert ids[0] == BOS and mask[0] == 0
-    # " The" covers the space of the prompt and the reply's "T": it is the reply's.
-    assert _supervised(tok, ids, mask) == [" The quick brown fox.<|endoftext|>\n"]
+    # " quick" is one token covering the prompt's last space and the reply's "q": it is
+    # the reply's (as transformers' assistant mask counts it).
+    assert tok.token_to_id("\u0120quick") is not None
+    assert _supervised(tok, ids, mask) == [" quick brown fox.<|endoftext|>\n"]
     assert tok.decode(ids.tolist(), skip_special_tokens=False) == (
-        "<s>user: Hello world?\nassistant: The quick brown fox.<|endoftext|>\n")
+        "<s>user: Hello world?\nassistant: quick brown fox.<|endoftext|>\n")
 
 
 def test_a_template_that_does_not_render_prefix_by_prefix_is_refused_per_sample(tok):

@@ -128,16 +128,22 @@ def test_fused_operator_rejects_non_elementwise_parts() -> None:
 
 
 def test_process_runner_cuts_bigger_micro_batches_for_elementwise_stages() -> None:
+    # a user's elementwise operator keeps the base default (64) except under processes
     pipe = (zt.Pipeline.from_items(_items(), num_lanes=4, chunk_size=16, seed=3)
-            .map_transform(_upper).filter(_keep).map_transform(_tag).batch(4))
+            .apply(_RecordsOnly("count", "n")).batch(4))
     sizes = {}
-    for runner, overrides in (("process", None), ("process", {"filter": 16}), ("threads", None)):
+    for runner, overrides in (("process", None), ("process", {"count": 16}), ("threads", None)):
         it = pipe.iter(runner=runner, num_workers=1, microbatch_sizes=overrides)
         try:
             sizes[runner, bool(overrides)] = it.stages[0].acc.max_batch
         finally:
             it.close()
     assert sizes == {("process", False): 512, ("process", True): 16, ("threads", False): 64}
+    # the built-in elementwise operators default to a chunk's worth (512) everywhere
+    fused = zt.Pipeline.from_items(_items(), num_lanes=4, chunk_size=16, seed=3).map_transform(
+        _upper).filter(_keep).batch(4)
+    with fused.iter(runner="threads", num_workers=1) as it:
+        assert it.stages[0].acc.max_batch == 512
 
 
 class _RecordsOnly(Operator):

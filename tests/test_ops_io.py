@@ -64,11 +64,11 @@ def corpus(tmp_path: Path) -> dict:
 
 def test_fetch_contract():
     op = Fetch()
-    assert op.name == "fetch" and op.default_microbatch_size == 64
+    assert op.name == "fetch" and op.default_microbatch_size == 512
     assert op.traits() == OpTraits(accepts_pointers=True, elementwise=True)
     assert op.config() == {"op": "zephon_torch.ops.io.Fetch"}
     acc = op.accumulator(deterministic=True, ctx=OpContext(microbatch_size=None))
-    assert isinstance(acc, CountingAccumulator) and acc.max_batch == 64
+    assert isinstance(acc, CountingAccumulator) and acc.max_batch == 512
 
 
 def test_fetch_reads_pointers_of_every_format_in_input_order(corpus):
@@ -185,7 +185,7 @@ def fetched(corpus: dict, *pointers: SampleRecord) -> list[SampleRecord]:
 
 def test_decode_text_contract():
     op = DecodeText()
-    assert op.name == "decode_text" and op.default_microbatch_size == 128
+    assert op.name == "decode_text" and op.default_microbatch_size == 512
     assert op.traits().preserves_cursor_order and not op.traits().accepts_pointers
     assert op.config() == {"op": "zephon_torch.ops.io.DecodeText", "field": "text",
                            "on_error": "raise"}

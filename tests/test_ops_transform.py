@@ -184,15 +184,15 @@ def test_batches_are_rejected_with_a_clear_error(op):
 def test_default_accumulator_counts_without_latency_bound(op):
     acc = op.accumulator(deterministic=True, ctx=OpContext())
     assert isinstance(acc, CountingAccumulator)
-    assert acc.max_batch == 64 and acc.max_latency_ms is None
+    assert acc.max_batch == 512 and acc.max_latency_ms is None
     acc = op.accumulator(deterministic=True, ctx=OpContext(microbatch_size=7))
     assert acc.max_batch == 7 and acc.max_latency_ms is None
     assert op.traits().preserves_cursor_order
 
 
 def test_names_and_default_microbatch_sizes():
-    assert (MapTransform.name, MapTransform.default_microbatch_size) == ("map_transform", 64)
-    assert (Filter.name, Filter.default_microbatch_size) == ("filter", 64)
+    assert (MapTransform.name, MapTransform.default_microbatch_size) == ("map_transform", 512)
+    assert (Filter.name, Filter.default_microbatch_size) == ("filter", 512)
 
 
 @settings(max_examples=40, deadline=None)

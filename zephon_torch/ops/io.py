@@ -100,7 +100,7 @@ class Fetch(Operator):
     """
 
     name: ClassVar[str] = "fetch"
-    default_microbatch_size: ClassVar[int] = 64
+    default_microbatch_size: ClassVar[int] = 512
 
     def __init__(self, *, placement: Any = "local") -> None:
         set_placement(self, placement)
@@ -322,7 +322,7 @@ class DecodeText(Operator):
     """
 
     name: ClassVar[str] = "decode_text"
-    default_microbatch_size: ClassVar[int] = 128
+    default_microbatch_size: ClassVar[int] = 512
 
     def __init__(self, field: str = "text", on_error: OnError = "raise", *,
                  placement: Any = "local") -> None:

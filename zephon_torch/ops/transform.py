@@ -177,7 +177,7 @@ class MapTransform(Operator):
     """
 
     name = "map_transform"
-    default_microbatch_size = 64
+    default_microbatch_size = 512
 
     def __init__(self, fn: Callable[[Any], Any], *, drop_none: bool = True,
                  placement: Any = "local") -> None:
@@ -252,7 +252,7 @@ class Filter(Operator):
     """
 
     name = "filter"
-    default_microbatch_size = 64
+    default_microbatch_size = 512
 
     def __init__(self, predicate: Callable[[Any], Any]) -> None:
         if not callable(predicate):

@@ -219,6 +219,10 @@ def packed_batches_dataset(files: list[str], tokenizer_path: str, job: str = "te
     return PackedBatches()
 
 
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
 class _TensorsHere:
     """A torch loader whose workers return numpy arrays, made tensors in this process."""
 
@@ -254,10 +258,11 @@ def make_loader(name: str, files: list[str], tokenizer_path: str, workers: int,
         import torch.utils.data
 
         tensors = name == "torch"
+        # torch-np: no collate_fn of torch's (its default turns arrays into tensors).
         loader = torch.utils.data.DataLoader(
             packed_batches_dataset(files, tokenizer_path, job, tensors=tensors,
                                    shuffle=shuffle),
-            batch_size=None, num_workers=workers)
+            batch_size=None, num_workers=workers, collate_fn=None if tensors else _as_is)
         return loader if tensors else _TensorsHere(loader)
     import zephon_torch as zt
     from zephon_torch.torch.loader import DataLoader

@@ -155,6 +155,9 @@ def test_lane_workers_are_the_default_with_workers_and_each_owns_its_lanes():
     assert loader.runner == "lanes"
     assert DataLoader(_pipe(), num_workers=0).runner == "inline"
     assert DataLoader(_pipe(), num_workers=2, task_timeout=30).runner == "process"
+    # Lane workers run every stage themselves; a stage placed on Ray needs the pool.
+    remote = _pipe().map_transform(dict, placement="remote")
+    assert DataLoader(remote, num_workers=2).runner == "process"
     it = iter(loader)
     next(it)
     assert len(it.worker_pids) == 2 and it.engine_pid is None

@@ -134,6 +134,7 @@ import torch
 
 from zephon_torch.checkpoint import check_state, merge_states, refuse_nondeterministic
 from zephon_torch.pipeline import Pipeline
+from zephon_torch.runners.assembly import remote_stages
 from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
 from zephon_torch.runners.resume import narrow_state
 from zephon_torch.topology import owned_lanes, resolve_topology, warn_idle_workers
@@ -270,7 +271,8 @@ class DataLoader:
         _check_kwargs(iter_kwargs)
         self.pipeline = pipeline_of("zephon_torch.DataLoader", pipeline)
         self.num_workers = _check_num_workers(num_workers)
-        self.runner = _resolve_runner(runner, self.num_workers, iter_kwargs.get("task_timeout"))
+        self.runner = _resolve_runner(runner, self.num_workers, iter_kwargs.get("task_timeout"),
+                                      self.pipeline)
         self.to_training = _check_to_training(to_training, self.pipeline)
         self.device = None if device is None else torch.device(device)
         self.pin_memory = _resolve_pin(pin_memory, self.device)
@@ -653,13 +655,21 @@ def _check_num_workers(num_workers: Any) -> int:
     return num_workers
 
 
-def _resolve_runner(runner: str | None, num_workers: int, task_timeout: Any) -> str:
-    """The runner: as given, else lane workers (the process pool, which alone can stop a
-    hung micro-batch, with ``task_timeout``), else the inline runner for 0 workers."""
+def _resolve_runner(runner: str | None, num_workers: int, task_timeout: Any,
+                    pipeline: Pipeline) -> str:
+    """The runner: as given, else lane workers, else the inline runner for 0 workers.
+
+    The stage-parallel process runner replaces lane workers where they cannot
+    do the job: with ``task_timeout`` (only its pool can stop a hung
+    micro-batch and send it again) and for stages placed on Ray (lane workers
+    run every stage themselves).
+    """
     if runner is None:
         if not num_workers:
             return "inline"
-        return "lanes" if task_timeout is None else "process"
+        if task_timeout is not None or remote_stages(pipeline.compile()):
+            return "process"
+        return "lanes"
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner {runner!r}; use one of {list(RUNNERS)}")
     return runner

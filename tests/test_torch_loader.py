@@ -534,6 +534,37 @@ def test_dropping_the_loader_and_its_iterator_stops_the_engine(mode):
 
 
 # A training script; spawned processes re-import it, so it imports little at the top.
+_NO_GUARD = textwrap.dedent("""
+    import multiprocessing
+    import numpy as np
+    import zephon_torch as zt
+
+    items = [{"input_ids": np.arange(i, i + 6)} for i in range(40)]
+    pipe = zt.Pipeline.from_items(items, num_lanes=4, chunk_size=4).batch(2)
+    out = {}
+    for workers in (0, 2):
+        got = []
+        for batch in zt.DataLoader(pipe, num_workers=workers):
+            got.append(batch["input_ids"].tolist())
+            children = len(multiprocessing.active_children())
+            assert children == workers, (workers, children)
+        out[workers] = got
+    print("same" if out[0] == out[2] else "different", len(out[0]))
+""")
+
+
+def test_a_script_without_a_main_guard_runs_with_0_or_2_workers_as_with_torchs_loader(tmp_path):
+    # num_workers=0 starts no process at all; lane workers are forked (Linux), as torch's.
+    script = tmp_path / "train.py"
+    script.write_text(_NO_GUARD)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("ZEPHON_LANES_START_METHOD", None)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["same", "20"]
+
+
 _SCRIPT = textwrap.dedent("""
     import sys, time
     import numpy as np

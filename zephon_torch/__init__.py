@@ -1,8 +1,8 @@
 """zephon_torch: a deterministic, checkpointable data pipeline for LLM training.
 
-The core (data model, operators, sources, runners) imports numpy and the
-standard library only; torch, torchdata, Lightning and Ray are imported by the
-integration modules that need them, when they are used.
+The core (data model, operators, sources, runners) imports numpy, tokenizers
+and the standard library only; torch, torchdata, Lightning and Ray are imported
+by the integration modules that need them, when they are used.
 """
 
 from zephon_torch import _torch_hook, sources

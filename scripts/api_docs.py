@@ -20,8 +20,45 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: What is documented: the package; pdoc walks its public submodules itself.
-MODULES = ("zephon_torch",)
+#: What is documented, one page each: the package and the modules a user imports from
+#: or meets in tracebacks and type hints. pdoc follows a package's ``__all__``, which
+#: names few submodules, so the operator and runner modules are listed here.
+MODULES = (
+    "zephon_torch",
+    "zephon_torch.pipeline",
+    "zephon_torch.types",
+    "zephon_torch.checkpoint",
+    "zephon_torch.checks",
+    "zephon_torch.ops",
+    "zephon_torch.ops.io",
+    "zephon_torch.ops.tokenize",
+    "zephon_torch.ops.transform",
+    "zephon_torch.ops.packing",
+    "zephon_torch.ops.mixture",
+    "zephon_torch.ops.shuffle",
+    "zephon_torch.ops.batch",
+    "zephon_torch.ops.placement",
+    "zephon_torch.runners.iterator",
+    "zephon_torch.torch",
+    "zephon_torch.torch.loader",
+    "zephon_torch.torch.dataset",
+    "zephon_torch.torch.node",
+    "zephon_torch.lightning",
+)
+
+
+def _resolve_lazy_names() -> None:
+    """Import the names the packages import on first use (``zephon_torch.DataLoader``).
+
+    pdoc looks a name of ``__all__`` up in the module's namespace, where a
+    lazily imported one is not until it is first used: use each once.
+    """
+    import importlib
+
+    for name in MODULES:
+        module = importlib.import_module(name)
+        for public in getattr(module, "__all__", ()):
+            getattr(module, public)
 
 
 def build(out: Path) -> Path:
@@ -40,6 +77,7 @@ def build(out: Path) -> Path:
     # Docstrings are Google style; the source view would double the pages' size.
     pdoc.render.configure(docformat="google", show_source=False,
                           footer_text="zephon_torch API reference")
+    _resolve_lazy_names()
     out.mkdir(parents=True, exist_ok=True)
     pdoc.pdoc(*MODULES, output_directory=out)
     return out / "index.html"

@@ -38,6 +38,7 @@ def __getattr__(name: str) -> object:
     if name == "DataLoader":
         from zephon_torch.torch.loader import DataLoader
 
+        globals()[name] = DataLoader  # later lookups (and pdoc) find it in the namespace
         return DataLoader
     raise AttributeError(f"module 'zephon_torch' has no attribute {name!r}")
 

@@ -860,7 +860,32 @@ class Pipeline:
 
     def shuffle(self, buffer_size: int = _SHUFFLE.buffer_size, *, seed: int = _SHUFFLE.seed,
                 algorithm: str = _SHUFFLE.algorithm) -> Pipeline:
-        """Data-derived, per-lane shuffle (``"streaming"``, ``"block"``, ``"block_warmup"``)."""
+        """Shuffle each lane's records, with an order derived from the data and ``seed``.
+
+        The order is a function of the records' cursor keys and the seed, so
+        it is the same on every runner and worker count and after a resume.
+
+        Args:
+            buffer_size: Records a lane holds: the reservoir of
+                ``"streaming"``, or the block of ``"block"`` and
+                ``"block_warmup"``. Larger mixes further and holds more in
+                memory per lane; it defines the output.
+            seed: The shuffle's own seed (the pipeline's seed does not enter
+                it); another seed gives another order.
+            algorithm: ``"streaming"`` (a reservoir per lane: once full,
+                each arrival takes the place of a held record, which leaves),
+                ``"block"`` (each block of ``buffer_size`` records in a
+                shuffled order) or ``"block_warmup"`` (as ``"block"``, with
+                blocks doubling from 64 up to ``buffer_size``, so the first
+                batches come sooner).
+
+        Returns:
+            A new pipeline.
+
+        Raises:
+            ValueError: ``buffer_size`` is not a positive integer, ``seed`` is
+                not an integer, or ``algorithm`` is unknown.
+        """
         return self.apply(Shuffle(buffer_size, seed=seed, algorithm=algorithm))
 
     def batch(self, microbatch_size: int, *,
@@ -1011,13 +1036,45 @@ class Pipeline:
         verify: bool = False,
         task_timeout: float | None = None,
     ) -> PipelineIterator:
-        """Run the pipeline; see :class:`~zephon_torch.runners.iterator.PipelineIterator`.
+        """Run the pipeline: an iterator of its output with ``state_dict()``/``load_state_dict()``.
 
-        ``verify=True`` checks at the end of the pass that every sample read
-        was delivered or tombstoned exactly once (see
-        :func:`zephon_torch.checks.assert_conserved`). ``task_timeout``
-        (seconds, ``runner="process"`` only) kills a worker stuck on one
-        micro-batch and sends the micro-batch again, so a hang ends in an error.
+        Use it in a ``with`` block (or call ``close()``) to stop its workers
+        when you leave the loop early. The runner, the worker count and the
+        micro-batch sizes never change the output.
+
+        Args:
+            runner: Where the stages run: ``"threads"`` (threads of this
+                process), ``"inline"`` (one thread, for debugging) or
+                ``"process"`` (spawned worker processes: keep the script's
+                top-level code under ``if __name__ == "__main__":``).
+            num_workers: Threads or processes per pool (``None``: the CPU
+                count, at most 4).
+            deterministic: Release results in order (the default). ``False``
+                takes them as they complete: faster with uneven work, but the
+                output order varies and the iterator cannot checkpoint.
+            rank: This process's rank (``None``: ``torch.distributed`` when
+                initialized, else ``$RANK``, else 0); it reads the lanes
+                ``l % world_size == rank``.
+            world_size: The number of ranks (``None``: as for ``rank``, from
+                ``$WORLD_SIZE``, else 1).
+            microbatch_sizes: ``{stage name: size}``: how much work a task
+                carries, per stage (performance only).
+            lanes: Read exactly these lanes instead of the rank's (tools and
+                tests).
+            verify: At the end of the pass, check that every sample read was
+                delivered or tombstoned exactly once (see
+                :func:`zephon_torch.checks.assert_conserved`); costs a little
+                work per sample.
+            task_timeout: With ``runner="process"``: seconds one micro-batch
+                may run before its worker is killed and the micro-batch sent
+                again, so that a hang ends in an error (``None``: no limit).
+
+        Returns:
+            A :class:`~zephon_torch.runners.iterator.PipelineIterator`.
+
+        Raises:
+            ValueError: An unknown runner, a bad worker count or topology, or
+                ``task_timeout`` without ``runner="process"``.
         """
         from zephon_torch.runners.iterator import PipelineIterator
 

@@ -72,9 +72,10 @@ def test_the_worker_process_pipeline_runs_as_a_script(reader_dir: Path) -> None:
 
 
 def test_workers_started_outside_the_main_guard_name_the_missing_guard(tmp_path: Path) -> None:
+    # A stage (the filter) runs in the worker processes; batch() alone would need none.
     code = ('import zephon_torch as zt\n'
             '\n'
-            'pipe = zt.Pipeline.from_items([f"doc {i}" for i in range(64)]).batch(4)\n'
+            'pipe = zt.Pipeline.from_items([f"doc {i}" for i in range(64)]).filter(bool).batch(4)\n'
             'for batch in pipe.iter(runner="process", num_workers=2):\n'
             '    pass\n')
     result = _run_script(code, tmp_path, "unguarded.py")

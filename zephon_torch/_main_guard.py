@@ -60,13 +60,21 @@ def _guarded_lines(path: str) -> tuple[tuple[int, int], ...] | None:
 
 
 def _main_frame() -> FrameType | None:
-    """The frame running the main script's top-level code, if it is on this stack."""
-    main = sys.modules.get("__main__")
-    if main is None or not getattr(main, "__file__", None):
+    """The frame running the main script's top-level code, if it is on this stack.
+
+    In the parent that is the module ``__main__``; in a spawned worker that
+    re-runs the script it is ``__mp_main__`` (``__main__`` is then the
+    worker's bootstrap, which has no file).
+    """
+    namespaces = [module.__dict__
+                  for module in (sys.modules.get("__main__"), sys.modules.get("__mp_main__"))
+                  if module is not None and getattr(module, "__file__", None)]
+    if not namespaces:
         return None  # python -c, a REPL, a notebook: spawn re-runs nothing
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        if frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>":
+        if frame.f_code.co_name == "<module>" and any(frame.f_globals is ns
+                                                      for ns in namespaces):
             return frame
         frame = frame.f_back
     return None

@@ -135,6 +135,8 @@ if __name__ == "__main__":
             rows = [b.to_training(return_labels=True, return_cu_seqlens=True)["input_ids"].shape
                     for b in it]
         assert rows and all(tuple(r) == (2, 64) for r in rows), rows
+    loader = zt.DataLoader(pipe(), to_training={"return_labels": True})
+    assert [tuple(b["labels"].shape) for b in loader] == [tuple(r) for r in rows]
     assert cli.main(["demo", "--docs", "300", "--seq-len", "64", "--runner", "process",
                      "--out", "demo"]) == 0
     print("IMPORTED", json.dumps(sorted({m.split(".")[0] for m in sys.modules})))

@@ -443,8 +443,13 @@ def _load_tokenizer(tokenizer: Any, field: str) -> tuple[Any, int | None]:
     except (FileNotFoundError, ValueError, TypeError) as exc:
         if not isinstance(tokenizer, (str, os.PathLike)):
             raise _UsageError(f"the tokenizer trained on your documents: {exc}") from exc
-        raise _UsageError(f"--tokenizer {tokenizer}: {exc} (a local tokenizer.json, or a "
-                          "folder holding one: nothing is downloaded)") from exc
+        if isinstance(exc, FileNotFoundError):
+            # Often a model name, as transformers takes: say how to get its tokenizer.json.
+            raise _UsageError(
+                f"--tokenizer {tokenizer}: {exc}; nothing is downloaded: for a Hugging Face "
+                "model, save its tokenizer first (AutoTokenizer.from_pretrained(name)"
+                ".save_pretrained('tok')) and pass --tokenizer tok") from exc
+        raise _UsageError(f"--tokenizer {tokenizer}: {exc}") from exc
     return op.tokenizer, op.eos_token_id
 
 

@@ -173,6 +173,11 @@ def test_inspect_of_a_chat_field_says_it_holds_chat_messages(tmp_path: Path) -> 
     line = _one_line_error(_cli("inspect", str(chat), "--field", "messages"))
     assert "field 'messages' of " in line and " holds chat messages, not text" in line
     assert "Pipeline.tokenize_chat()" in line
+    # Without --field (text): the record has no text field at all, only chat messages.
+    line = _one_line_error(_cli("inspect", str(chat)))
+    assert "has no field 'text' (its fields: 'messages') and its 'messages' holds chat " \
+           "messages" in line
+    assert "Pipeline.tokenize_chat()" in line
 
 
 def test_help_shows_each_options_default() -> None:

@@ -399,6 +399,11 @@ def _first_payload(source: Pipeline) -> tuple[Any, str] | None:
     return payload, where
 
 
+def _is_chat(value: Any) -> bool:
+    """A list of ``{"role": ..., "content": ...}`` messages."""
+    return isinstance(value, list) and any(isinstance(m, dict) and "role" in m for m in value)
+
+
 def _check_text_field(source: Pipeline, field: str) -> None:
     """Stop with one clear line when the first document holds no text under ``field``.
 
@@ -414,10 +419,16 @@ def _check_text_field(source: Pipeline, field: str) -> None:
                           f"{field!r} field; inspect previews documents of text")
     if field not in payload:
         keys = ", ".join(repr(k) for k in list(payload)[:12]) or "none"
+        chats = [k for k, v in payload.items() if _is_chat(v)]
+        if chats and not any(isinstance(v, str) for v in payload.values()):
+            raise _UsageError(
+                f"{where} has no field {field!r} (its fields: {keys}) and its {chats[0]!r} "
+                "holds chat messages; inspect previews plain-text documents: tokenize chat "
+                "data in a pipeline with Pipeline.tokenize_chat()")
         raise _UsageError(f"{where} has no field {field!r} (its fields: {keys}); pass "
                           "--field with the name of the field that holds the text")
     value = payload[field]
-    if isinstance(value, list) and any(isinstance(m, dict) and "role" in m for m in value):
+    if _is_chat(value):
         raise _UsageError(
             f"field {field!r} of {where} holds chat messages, not text; inspect previews "
             "plain-text documents: pass --field with a text field, or tokenize chat data "

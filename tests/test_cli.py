@@ -180,6 +180,17 @@ def test_inspect_of_a_chat_field_says_it_holds_chat_messages(tmp_path: Path) -> 
     assert "Pipeline.tokenize_chat()" in line
 
 
+def test_inspect_of_json_lines_that_hold_no_text_says_what_they_hold(tmp_path: Path) -> None:
+    arrays = tmp_path / "arrays.jsonl"
+    arrays.write_text("[1, 2]\n[3]\n")
+    line = _one_line_error(_cli("inspect", str(arrays)))
+    assert "line 1 holds a list, not an object with a 'text' field" in line
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"n": 3}\n')
+    line = _one_line_error(_cli("inspect", str(numbers), "--field", "n"))
+    assert f"field 'n' of {numbers} line 1 holds an int, not text; pass --field" in line
+
+
 def test_help_shows_each_options_default() -> None:
     for command, expected in (("inspect", ["--seq-len SEQ_LEN", "(default: 2048)",
                                            "(default: text)", "(default: threads)"]),

@@ -399,6 +399,12 @@ def _first_payload(source: Pipeline) -> tuple[Any, str] | None:
     return payload, where
 
 
+def _a(value: Any) -> str:
+    """The type of ``value`` with its article, for a message: ``"an int"``, ``"a list"``."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def _is_chat(value: Any) -> bool:
     """A list of ``{"role": ..., "content": ...}`` messages."""
     return isinstance(value, list) and any(isinstance(m, dict) and "role" in m for m in value)
@@ -415,8 +421,8 @@ def _check_text_field(source: Pipeline, field: str) -> None:
         return
     payload, where = found
     if not isinstance(payload, dict):
-        raise _UsageError(f"{where} holds a {type(payload).__name__}, not an object with a "
-                          f"{field!r} field; inspect previews documents of text")
+        raise _UsageError(f"{where} holds {_a(payload)}, not an object with a {field!r} "
+                          "field; inspect previews JSON objects with a text field")
     if field not in payload:
         keys = ", ".join(repr(k) for k in list(payload)[:12]) or "none"
         chats = [k for k, v in payload.items() if _is_chat(v)]
@@ -435,8 +441,8 @@ def _check_text_field(source: Pipeline, field: str) -> None:
             "in a pipeline with Pipeline.tokenize_chat()"
         )
     if not isinstance(value, str):
-        raise _UsageError(f"field {field!r} of {where} is a {type(value).__name__}, not text; "
-                          "pass --field with the name of the field that holds the text")
+        raise _UsageError(f"field {field!r} of {where} holds {_a(value)}, not text; pass "
+                          "--field with the name of the field that holds the text")
 
 
 def _load_tokenizer(tokenizer: Any, field: str) -> tuple[Any, int | None]:

@@ -513,9 +513,9 @@ class Pipeline:
     # ------------------------------------------------------------------ operators
     #
     # Each builder spells out its operator's parameters and takes their
-    # defaults from the operator's __init__ (the _OP namespaces above), so the
-    # two cannot disagree; tests/test_api_reference.py checks the names,
-    # order, kinds and annotations.
+    # defaults from the operator's __init__ (the namespaces made by _defaults
+    # above), so the two cannot disagree; tests/test_api_reference.py checks
+    # the names, order, kinds and annotations.
 
     def apply(self, op: Operator, *, placement: Any = None) -> Pipeline:
         """Append an operator of your own.

@@ -605,9 +605,14 @@ class Pipeline:
             field: Payload key holding the text.
             out_field: Payload key that receives the ids.
             special_tokens: Which special tokens frame each document:
-                ``"bos_eos"``, ``"eos"``, ``"bos"`` or ``"none"``.
-            bos_token_id: BOS id; by default the tokenizer's own.
-            eos_token_id: EOS id; by default the tokenizer's own.
+                ``"eos"`` (the default: one EOS after each document, so packed
+                documents are separated by one token), ``"bos_eos"``,
+                ``"bos"`` or ``"none"``.
+            bos_token_id: BOS id; by default the tokenizer's own (from
+                ``tokenizer_config.json`` of a tokenizer directory, or a
+                transformers tokenizer's ``bos_token_id``).
+            eos_token_id: EOS id; by default the tokenizer's own (found the
+                same way).
             max_length: Keep at most this many ids, special tokens included
                 (BOS stays first, EOS last); ``None``: no limit.
             on_error: A payload without a string ``field``, or a text the
@@ -641,10 +646,11 @@ class Pipeline:
         chat_template: str | ChatTemplate | None = _TOKENIZE_CHAT.chat_template,
         loss_on_last_turn_only: bool = _TOKENIZE_CHAT.loss_on_last_turn_only,
         roles: Sequence[str] = _TOKENIZE_CHAT.roles,
-        special_tokens: str = _TOKENIZE_CHAT.special_tokens,
+        special_tokens: str | None = _TOKENIZE_CHAT.special_tokens,
         bos_token_id: int | None = _TOKENIZE_CHAT.bos_token_id,
         eos_token_id: int | None = _TOKENIZE_CHAT.eos_token_id,
         max_length: int | None = _TOKENIZE_CHAT.max_length,
+        chat_template_kwargs: Mapping[str, Any] | None = _TOKENIZE_CHAT.chat_template_kwargs,
         on_error: str = _TOKENIZE_CHAT.on_error,
         placement: Any = _TOKENIZE_CHAT.placement,
     ) -> Pipeline:
@@ -661,18 +667,26 @@ class Pipeline:
             out_field: Payload key receiving the ``int32`` ids.
             mask_field: Payload key receiving the ``uint8`` mask.
             chat_template: How a conversation is rendered: ``None`` for the
-                built-in per-turn format ``"<|{role}|>\\n{content}\\n"``; a
-                string with one ``{content}`` and any ``{role}``
-                placeholders; or a callable ``messages -> [(text,
-                is_assistant), ...]``.
+                tokenizer's own Jinja template (``chat_template.jinja`` or
+                ``tokenizer_config.json`` of a tokenizer directory, a
+                transformers tokenizer's ``chat_template``), else the built-in
+                per-turn format ``"<|{role}|>\\n{content}\\n"``; a Jinja
+                string (holding ``{%`` or ``{{``); a format string with one
+                ``{content}`` and any ``{role}`` placeholders; or a callable
+                ``messages -> [(text, is_assistant), ...]``.
             loss_on_last_turn_only: Supervise only the last assistant turn.
             roles: Accepted message roles (must include ``"assistant"``).
-            special_tokens: ``"bos_eos"`` (BOS first, EOS after each
-                assistant turn), ``"eos"``, ``"bos"`` or ``"none"``.
+            special_tokens: ``None``: ``"none"`` with a Jinja template (which
+                writes the model's own special tokens), ``"bos_eos"`` otherwise
+                (BOS first, EOS after each assistant turn). Or ``"eos"``,
+                ``"bos"``, ``"none"``.
             bos_token_id: As for :meth:`tokenize`.
             eos_token_id: As for :meth:`tokenize`.
             max_length: Cut ids and mask to this many tokens; ``None``: no
                 limit.
+            chat_template_kwargs: Extra variables for a Jinja template (JSON
+                values), like the keyword arguments of transformers'
+                ``apply_chat_template`` (``{"enable_thinking": False}``).
             on_error: Malformed messages or text the tokenizer cannot encode:
                 ``"raise"`` a ``ValueError`` or ``"skip"`` (a tombstone).
             placement: As for :meth:`tokenize`.
@@ -689,8 +703,8 @@ class Pipeline:
             tokenizer, field=field, out_field=out_field, mask_field=mask_field,
             chat_template=chat_template, loss_on_last_turn_only=loss_on_last_turn_only,
             roles=roles, special_tokens=special_tokens, bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id, max_length=max_length, on_error=on_error,
-            placement=placement,
+            eos_token_id=eos_token_id, max_length=max_length,
+            chat_template_kwargs=chat_template_kwargs, on_error=on_error, placement=placement,
         ))
 
     def map_transform(self, fn: Callable[[Any], Any], *,

@@ -308,7 +308,9 @@ def test_chained_checkpoints_in_random_configurations() -> None:
         pipe = (zt.Pipeline.from_items([f"d{i} " + "x " * (i % 5) for i in range(n)],
                                        num_lanes=lanes, chunk_size=chunk,
                                        flush_every_k_chunks=period)
-                .shuffle(rng.randint(1, 10), seed=trial).batch(size, drop_last=rng.random() < .5))
+                # buffer_size is shared by the lanes and must leave each at least 2 rows
+                .shuffle(rng.randint(lanes + 1, 10), seed=trial)
+                .batch(size, drop_last=rng.random() < .5))
         reference = collect(pipe, runner="inline")
         for k in sorted(rng.sample(range(len(reference) + 1), min(3, len(reference) + 1))):
             it = pipe.iter(runner="inline")

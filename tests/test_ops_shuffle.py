@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import zephon_torch as zt
+from zephon_torch.checkpoint import fingerprint_parts, state_checksum
 from zephon_torch.ops.accumulators import CountingAccumulator
 from zephon_torch.ops.base import OpContext
 from zephon_torch.ops.shuffle import (
@@ -110,7 +113,7 @@ _records = st.integers(0, 60).flatmap(
 @given(
     data=_records,
     algorithm=st.sampled_from(SHUFFLE_ALGORITHMS),
-    buffer_size=st.integers(1, 12),
+    buffer_size=st.integers(2, 12),  # 1 (one row per lane) does not shuffle: refused
     seed=st.integers(-5, 5),
     cuts=st.lists(st.integers(0, 60), max_size=8),
 )
@@ -126,7 +129,7 @@ def test_every_algorithm_is_a_per_lane_permutation(data, algorithm, buffer_size,
 @given(
     data=_records,
     algorithm=st.sampled_from(SHUFFLE_ALGORITHMS),
-    buffer_size=st.integers(1, 12),
+    buffer_size=st.integers(2, 12),  # 1 (one row per lane) does not shuffle: refused
     cuts=st.lists(st.integers(0, 60), max_size=8),
 )
 def test_output_does_not_depend_on_push_grouping(data, algorithm, buffer_size, cuts):
@@ -321,7 +324,7 @@ def test_bad_seed_is_a_value_error():
 @given(
     events=st.lists(st.tuples(st.booleans(), st.integers(0, 2)), max_size=60),
     algorithm=st.sampled_from(SHUFFLE_ALGORITHMS),
-    buffer_size=st.integers(1, 6),
+    buffer_size=st.integers(2, 6),
 )
 def test_each_reset_flush_starts_the_lane_over(events, algorithm, buffer_size):
     # events: (True, lane) is a flush sentinel of that lane, (False, lane) a record.
@@ -393,3 +396,82 @@ def test_the_block_paths_decide_exactly_as_the_record_paths(size: int) -> None:
               for b in warm_blocks.push_block(Block.from_records(part))]
     theirs += [b.take(order_block(b, prefix)).records() for b in warm_blocks.flush()]
     assert theirs == mine
+
+
+# --------------------------------------------------------------------------- one buffer, split
+
+
+@pytest.mark.parametrize("algorithm", SHUFFLE_ALGORITHMS)
+@pytest.mark.parametrize(("buffer_size", "num_lanes", "share"),
+                         [(12, 1, 12), (12, 3, 4), (13, 4, 4), (9, 8, 2), (8192, 8, 1024)])
+def test_each_lane_holds_its_share_of_the_buffer(algorithm, buffer_size, num_lanes, share):
+    from zephon_torch.ops.shuffle import lane_buffer_size
+
+    op = Shuffle(buffer_size, seed=2, algorithm=algorithm)
+    assert op.lane_buffer_size(num_lanes) == lane_buffer_size(buffer_size, num_lanes) == share
+    acc = op.accumulator(deterministic=True, ctx=OpContext(num_lanes=num_lanes))
+    held = acc.max_batch if isinstance(acc, CountingAccumulator) else acc.buffer_size
+    assert held == share
+
+
+@pytest.mark.parametrize("algorithm", SHUFFLE_ALGORITHMS)
+def test_a_lanes_order_is_that_of_its_share_alone(algorithm):
+    # The old meaning (each lane holds buffer_size) is buffer_size * num_lanes now: the
+    # documented way to get an old order back for a new run.
+    records = _stream(90, lanes=3)
+    split = Shuffle(15, seed=4, algorithm=algorithm)
+    acc = split.accumulator(deterministic=True, ctx=OpContext(num_lanes=3))
+    got = [r for mb in acc.push_many(records) + acc.flush() for r in split.process_many(mb)]
+    assert _by_lane(got) == _by_lane(_run(Shuffle(5, seed=4, algorithm=algorithm), [records]))
+
+
+def test_a_buffer_of_one_row_per_lane_is_refused_naming_the_numbers():
+    pipe = zt.Pipeline.from_items([f"d{i}" for i in range(40)], num_lanes=8, chunk_size=4)
+    with pytest.raises(ValueError, match=(
+            r"shuffle\(buffer_size=8\) over 8 lanes gives each lane a buffer of 1 row, which "
+            r"does not shuffle at all: .* \(ceil\(8 / 8\) = 1 row per lane\)\. Pass "
+            r"buffer_size >= 9 .* or build the source with fewer lanes")):
+        pipe.shuffle(8, seed=1).iter(runner="inline")
+    with pytest.raises(ValueError, match=r"shuffle\(buffer_size=1\) over 1 lane gives"):
+        Shuffle(1, algorithm="block").accumulator(deterministic=True, ctx=OpContext())
+    assert len(list(pipe.shuffle(9, seed=1).iter(runner="inline"))) == 40  # 2 rows a lane
+
+
+@pytest.mark.parametrize("algorithm", SHUFFLE_ALGORITHMS)
+def test_the_first_item_waits_for_about_buffer_size_rows_not_one_buffer_per_lane(algorithm):
+    # 8 lanes, a buffer of 256 rows, chunks of 4, and epochs far longer than any buffer
+    # (no flush empties a reservoir early). Lane 0 emits once it holds more than its
+    # share of 32 rows; the source deals chunks to the lanes in turn, so by then it has
+    # read about 256 rows in all, where one buffer of 256 per lane read over 2048.
+    buffer_size, lanes, chunk = 256, 8, 4
+    pipe = (zt.Pipeline.from_items([f"d{i}" for i in range(4000)], num_lanes=lanes,
+                                   chunk_size=chunk, flush_every_k_chunks=256)
+            .shuffle(buffer_size, seed=1, algorithm=algorithm))
+    with pipe.iter(runner="inline") as it:
+        first = next(it)
+        read = sum(lane["read"] for lane in it.stats()["lanes"].values())
+    assert first.meta.lane_id == 0
+    assert read <= buffer_size + 2 * lanes * chunk, f"{read} rows read before the first item"
+    if algorithm != "block_warmup":  # the warmup's first block is 2 rows, by design
+        assert read >= buffer_size, f"only {read} rows read: was the buffer full?"
+
+
+def test_a_state_saved_while_each_lane_held_the_whole_buffer_is_refused():
+    pipe = (zt.Pipeline.from_items([f"d{i}" for i in range(60)], num_lanes=2, chunk_size=4)
+            .shuffle(8, seed=1).batch(2))
+    with pipe.iter(runner="inline") as it:
+        next(it)
+        state = json.loads(json.dumps(it.state_dict()))
+    # Such a state, as the version before the split wrote it: the same pipeline, whose
+    # shuffle config had no buffer_split entry, and a checksum over that.
+    before = pipe.fingerprint()
+    for op in before["ops"]:
+        op.pop("buffer_split", None)
+    state["fingerprint"] = fingerprint_parts(before, pipe.stage_names())
+    state["checksum"] = state_checksum(state)
+    resumed = pipe.iter(runner="inline")
+    with pytest.raises(ValueError, match=(
+            r"saved by a different pipeline configuration: ops\[0\] shuffle "
+            r"\(buffer_split added\) differ\(s\)")):
+        resumed.load_state_dict(state)
+    resumed.close()

@@ -358,7 +358,19 @@ class Pipeline:
 
     def shuffle(self, buffer_size: int = 8192, *, seed: int = 0,
                 algorithm: str = "streaming") -> Pipeline:
-        """Data-derived, per-lane shuffle (``"streaming"``, ``"block"``, ``"block_warmup"``)."""
+        """Data-derived, per-lane shuffle (``"streaming"``, ``"block"``, ``"block_warmup"``).
+
+        ``buffer_size`` is the pipeline's buffer, in rows over all lanes: each
+        lane shuffles its own rows in a share of ``ceil(buffer_size /
+        num_lanes)`` (the source's ``num_lanes``), so the shuffle holds about
+        ``buffer_size`` rows in all and the first item waits for about that
+        many, on any world size and worker count. It must exceed ``num_lanes``
+        (one row per lane does not shuffle; a ``ValueError`` when the run
+        starts). This meaning is new: ``buffer_size`` was each lane's size, so
+        pipelines that shuffle give another order than before
+        (``buffer_size * num_lanes`` gives the old one), and a state saved
+        before is refused. See :class:`~zephon_torch.ops.shuffle.Shuffle`.
+        """
         from zephon_torch.ops.shuffle import Shuffle
 
         return self.apply(Shuffle(buffer_size, seed=seed, algorithm=algorithm))

@@ -95,8 +95,9 @@ def pipelines(draw: st.DrawFn, tokenizer: Any) -> Pipeline:
     if len(sources) > 1 and draw(st.booleans()):
         pipe = pipe.ensure_mixture(max_buffer_size=draw(st.integers(4, 50)))
     if draw(st.booleans()):
-        # The buffer is shared by the lanes; it must leave each at least 2 rows.
-        pipe = pipe.shuffle(draw(st.integers(num_lanes + 1, 20)), seed=draw(st.integers(0, 9)),
+        # 2 to 20 rows a lane: the buffer is shared by the lanes (1 row a lane is refused).
+        pipe = pipe.shuffle(draw(st.integers(num_lanes + 1, 20 * num_lanes)),
+                            seed=draw(st.integers(0, 9)),
                             algorithm=draw(st.sampled_from(["streaming", "block",
                                                             "block_warmup"])))
     if draw(st.booleans()):

@@ -431,7 +431,13 @@ def test_a_buffer_of_one_row_per_lane_is_refused_naming_the_numbers():
             r"shuffle\(buffer_size=8\) over 8 lanes gives each lane a buffer of 1 row, which "
             r"does not shuffle at all: .* \(ceil\(8 / 8\) = 1 row per lane\)\. Pass "
             r"buffer_size >= 9 .* or build the source with fewer lanes")):
-        pipe.shuffle(8, seed=1).iter(runner="inline")
+        pipe.shuffle(8, seed=1)  # at once, as other parameters are checked
+    # A source given more lanes later, or a Shuffle given to apply(): when the run starts.
+    fewer = zt.Pipeline.from_items([f"d{i}" for i in range(40)], num_lanes=2, chunk_size=4)
+    for late in (fewer.shuffle(8, seed=1).with_source(num_lanes=8),
+                 pipe.apply(Shuffle(8, seed=1))):
+        with pytest.raises(ValueError, match=r"shuffle\(buffer_size=8\) over 8 lanes gives"):
+            late.iter(runner="inline")
     with pytest.raises(ValueError, match=r"shuffle\(buffer_size=1\) over 1 lane gives"):
         Shuffle(1, algorithm="block").accumulator(deterministic=True, ctx=OpContext())
     assert len(list(pipe.shuffle(9, seed=1).iter(runner="inline"))) == 40  # 2 rows a lane

@@ -366,14 +366,19 @@ class Pipeline:
         ``buffer_size`` rows in all and the first item waits for about that
         many, on any world size and worker count. It must exceed ``num_lanes``
         (one row per lane does not shuffle; a ``ValueError`` when the run
-        starts). This meaning is new: ``buffer_size`` was each lane's size, so
-        pipelines that shuffle give another order than before
-        (``buffer_size * num_lanes`` gives the old one), and a state saved
-        before is refused. See :class:`~zephon_torch.ops.shuffle.Shuffle`.
+        starts, and here already for this source). This meaning is new:
+        ``buffer_size`` was each lane's size, so pipelines that shuffle give
+        another order than before; ``buffer_size * num_lanes`` gives the old
+        one and resumes a state saved before, which any other size refuses.
+        See :class:`~zephon_torch.ops.shuffle.Shuffle`.
         """
         from zephon_torch.ops.shuffle import Shuffle
 
-        return self.apply(Shuffle(buffer_size, seed=seed, algorithm=algorithm))
+        op = Shuffle(buffer_size, seed=seed, algorithm=algorithm)
+        # Say so now, as the other parameter checks do; iter() checks again,
+        # for a source changed later (with_source) or a Shuffle given to apply().
+        op.lane_buffer_size(self._source.num_lanes)
+        return self.apply(op)
 
     def batch(self, microbatch_size: int, *, drop_last: bool = True) -> Pipeline:
         """``SampleBatch`` of one lane's records."""

@@ -519,8 +519,9 @@ class Shuffle(Operator):
 
     Raises:
         ValueError: ``buffer_size`` is not a positive integer, ``seed`` is not
-            an integer, or ``algorithm`` is unknown; when the run starts,
-            ``buffer_size <= num_lanes`` (one row per lane does not shuffle).
+            an integer, or ``algorithm`` is unknown; ``buffer_size <=
+            num_lanes`` (one row per lane does not shuffle), when the run
+            starts (``Pipeline.shuffle`` checks it at once).
     """
 
     name = "shuffle"

@@ -69,6 +69,12 @@ def as_chat(payload: dict) -> dict:
                          for i, t in enumerate(turns)]}
 
 
+#: A model-style Jinja chat template (tokenize_chat renders it as transformers does).
+JINJA_CHAT = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+              "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 PIPELINES: dict[str, Callable[[Path, Any], Pipeline]] = {
     "fetch_decode": lambda c, t: text_pipe(c),
     "tokenize": tokenized,
@@ -80,6 +86,8 @@ PIPELINES: dict[str, Callable[[Path, Any], Pipeline]] = {
     "pack_sequences": lambda c, t: tokenized(c, t).pack_sequences(96, num_bins=3),
     "tokenize_chat_pack": lambda c, t: text_pipe(c).map_transform(as_chat).tokenize_chat(
         t, max_length=80).pack_sequences(96, num_bins=3),
+    "tokenize_chat_jinja_pack": lambda c, t: text_pipe(c).map_transform(as_chat).tokenize_chat(
+        t, chat_template=JINJA_CHAT, max_length=80).pack_flat(96, num_bins=3),
     "pack_flat_best_fit_decreasing": lambda c, t: tokenized(c, t).pack_flat(
         64, algorithm="best_fit_decreasing", bfd_window=12),
     "pack_sequences_best_fit_decreasing": lambda c, t: tokenized(c, t).pack_sequences(

@@ -62,8 +62,31 @@ def batch_to_training(
     position_mode: str,
     device: Any,
     pin_memory: bool,
+    format: str | None = None,
 ) -> dict[str, Any]:
     """Implementation of :meth:`zephon_torch.types.SampleBatch.to_training`."""
+    if format is not None:
+        if format != "hf":
+            raise ValueError(
+                f"unknown format {format!r}; use None (the options as given) or 'hf' (exactly "
+                "what a transformers causal LM takes: input_ids, labels at the same "
+                "positions, position_ids or attention_mask)"
+            )
+        _hf_refusals({
+            "return_labels": return_labels, "dtype": dtype, "ignore_index": ignore_index,
+            "return_num_valid_tokens": return_num_valid_tokens,
+            "return_loss_mask": return_loss_mask, "return_cu_seqlens": return_cu_seqlens,
+            "return_padding_mask": return_padding_mask, "position_mode": position_mode,
+        })
+        _check_eos_options(eos_mask_loss, eos_token_id)
+        return _hf_batch(
+            records, tokens_field=tokens_field,
+            extra_fields=_field_names("extra_fields", extra_fields),
+            rename_fields=rename_fields,
+            exclude_fields=_field_names("exclude_fields", exclude_fields), flatten=flatten,
+            eos_token_id=eos_token_id if eos_mask_loss else None,
+            fmt=_output_format(dtype, device, pin_memory),
+        )
     extra_fields, exclude_fields = _validate_options(
         return_labels=return_labels, extra_fields=extra_fields,
         exclude_fields=exclude_fields, ignore_index=ignore_index,
@@ -345,26 +368,10 @@ def _validate_options(
         raise ValueError(
             f"unknown position_mode {position_mode!r}; use 'preserve' or 'sequence'"
         )
-    if eos_token_id is not None and (
-        isinstance(eos_token_id, (bool, np.bool_))
-        or not isinstance(eos_token_id, (int, np.integer))
-        or eos_token_id < 0
-    ):
-        raise ValueError(f"eos_token_id must be a nonnegative integer, got {eos_token_id!r}")
-    if eos_mask_loss:
-        if not return_labels:
-            raise ValueError("eos_mask_loss=True masks labels: it needs return_labels=True")
-        if eos_token_id is None:
-            raise ValueError(
-                "eos_mask_loss=True needs a known EOS id: pass eos_token_id= (the id your "
-                "tokenize stage appends)"
-            )
-    elif eos_token_id is not None:
-        warnings.warn(
-            f"eos_token_id={eos_token_id} was given with eos_mask_loss=False, so it has no "
-            "effect; pass eos_mask_loss=True to mask predictions made from EOS",
-            UserWarning, stacklevel=4,
-        )
+    _check_eos_options(False, eos_token_id, warn=False)  # a bad id is named first
+    if eos_mask_loss and not return_labels:
+        raise ValueError("eos_mask_loss=True masks labels: it needs return_labels=True")
+    _check_eos_options(eos_mask_loss, eos_token_id, stacklevel=5)
     if return_num_valid_tokens and not return_labels:
         raise ValueError("return_num_valid_tokens=True counts labels: it needs return_labels=True")
     if return_loss_mask and not return_labels:
@@ -389,6 +396,30 @@ def _validate_options(
                 f"({why}); rename the payload field, or leave it out of extra_fields"
             )
     return extra, exclude
+
+
+def _check_eos_options(eos_mask_loss: bool, eos_token_id: Any, *, warn: bool = True,
+                       stacklevel: int = 4) -> None:
+    """``eos_token_id`` is a nonnegative int, needed by ``eos_mask_loss`` and useless
+    (a warning) without it."""
+    if eos_token_id is not None and (
+        isinstance(eos_token_id, (bool, np.bool_))
+        or not isinstance(eos_token_id, (int, np.integer))
+        or eos_token_id < 0
+    ):
+        raise ValueError(f"eos_token_id must be a nonnegative integer, got {eos_token_id!r}")
+    if eos_mask_loss:
+        if eos_token_id is None:
+            raise ValueError(
+                "eos_mask_loss=True needs a known EOS id: pass eos_token_id= (the id your "
+                "tokenize stage appends)"
+            )
+    elif eos_token_id is not None and warn:
+        warnings.warn(
+            f"eos_token_id={eos_token_id} was given with eos_mask_loss=False, so it has no "
+            "effect; pass eos_mask_loss=True to mask predictions made from EOS",
+            UserWarning, stacklevel=stacklevel,
+        )
 
 
 def _generated_fields(
@@ -955,3 +986,165 @@ def _cu_seqlens(
     if flatten:
         return bounds, int(seg_lengths.max(initial=0))
     return _per_row(rows, row_idx, col_idx, seg_lengths, lengths)
+
+
+# --------------------------------------------------------------------------- format="hf"
+
+#: The ``to_training`` options ``format="hf"`` decides itself, with their defaults and why
+#: another value is refused.
+_HF_FIXED: dict[str, tuple[Any, str]] = {
+    "return_labels": (False, "labels are always returned with format='hf', at the same "
+                             "positions as input_ids (a transformers model shifts them itself); "
+                             "return_labels=True gives next-token labels for a loss of your own, "
+                             "without format='hf'"),
+    "dtype": ("auto", "a transformers model takes int64 tensors (its loss needs int64 labels)"),
+    "ignore_index": (-100, "a transformers model's loss ignores -100"),
+    "return_num_valid_tokens": (False, "the output holds only what the model takes; count "
+                                       "(batch['labels'][:, 1:] != -100).sum() if you need it"),
+    "return_loss_mask": (False, "the labels carry the mask (-100 where no loss is wanted)"),
+    "return_cu_seqlens": (False, "transformers finds the documents from position_ids; pass "
+                                 "flatten=True for flash attention"),
+    "return_padding_mask": (False, "the output holds only what the model takes"),
+    "position_mode": ("preserve", "position_ids are the payload positions (restarting in "
+                                  "each document), or absent"),
+}
+
+
+def _hf_refusals(options: Mapping[str, Any]) -> None:
+    """Refuse options that ``format="hf"`` sets itself."""
+    for name, (default, why) in _HF_FIXED.items():
+        value = options[name]
+        same = value == default if name != "dtype" else _is_default_hf_dtype(value)
+        if not same:
+            raise ValueError(f"format='hf' does not take {name}={value!r}: {why}")
+
+
+def _is_default_hf_dtype(dtype: Any) -> bool:
+    if isinstance(dtype, str):
+        return dtype == "auto"
+    return _is_torch_dtype(dtype) and str(dtype) == "torch.int64"
+
+
+def _hf_batch(
+    records: Sequence[Any], *, tokens_field: str, extra_fields: tuple[str, ...],
+    rename_fields: Mapping[str, str] | None, exclude_fields: tuple[str, ...], flatten: bool,
+    eos_token_id: int | None, fmt: _OutputFormat,
+) -> dict[str, Any]:
+    """``to_training(format="hf")``: what a transformers causal LM's ``forward`` takes.
+
+    ``input_ids`` are the whole rows. ``labels`` are the same tokens, with
+    ``-100`` on trailing padding, where a payload ``loss_mask`` is 0, on the
+    first token of every document (``positions == 0``: under per-document
+    attention it would be predicted from the previous document, as
+    transformers' ``DataCollatorWithFlattening`` also masks it) and, with an
+    ``eos_token_id`` (``eos_mask_loss``), after each EOS. Rows with payload
+    positions get ``position_ids`` and no ``attention_mask`` (transformers
+    derives the per-document mask from the positions only when no
+    ``attention_mask`` is given); other rows get an ``attention_mask`` (0 on
+    padding). ``flatten=True`` gives one ``[1, B * S]`` row, with
+    ``position_ids`` restarting in every row (or document).
+    """
+    if fmt.kind != "torch":
+        raise ValueError(
+            "format='hf' returns torch tensors, and torch cannot be imported; install torch"
+        )
+    if not records:
+        empty = np.zeros((0, 0), dtype=np.int64)
+        out = {"input_ids": empty, "labels": empty, "attention_mask": empty}
+        out = {k: fmt.convert(v, None) for k, v in out.items()}
+        return fmt.place(_rename_and_exclude(out, rename_fields, exclude_fields,
+                                             allow_missing=True))
+    gathered = _hf_from_columns(records, tokens_field, bool(extra_fields))
+    if gathered is None:
+        gathered = _hf_gather(records, tokens_field)
+    tokens, lengths, pad, loss_rows, positions, batch = gathered
+    rows, width = tokens.shape
+    real = np.arange(width) < (lengths - pad)[:, None]  # neither trailing pad nor fill
+    ignored = ~real
+    if loss_rows is not None:
+        ignored |= loss_rows == 0
+    if positions is not None:
+        ignored |= positions == 0
+    if eos_token_id is not None and width > 1:
+        ignored[:, 1:] |= tokens[:, :-1] == eos_token_id
+    labels = tokens.copy()
+    labels[ignored] = -100
+    out: dict[str, Any] = {"input_ids": tokens, "labels": labels}
+    if flatten:
+        if positions is None:
+            positions = np.tile(np.arange(width, dtype=np.int64), (rows, 1))
+        out["position_ids"] = positions
+    elif positions is not None:
+        out["position_ids"] = positions
+    else:
+        out["attention_mask"] = real.astype(np.int64)
+    for name in extra_fields:
+        if name in out or name in ("positions", "loss_mask"):
+            raise ValueError(
+                f"extra field {name!r} is made by format='hf' itself (input_ids, labels, "
+                "position_ids, attention_mask from the payload's tokens, positions and "
+                "loss_mask); leave it out of extra_fields"
+            )
+        assert batch is not None  # extra fields always take the general path
+        values = batch.stack(batch.field_rows(name, required=True), _WHOLE)
+        out[name] = _cast_data_field(values, np.dtype(np.int64))
+    if flatten:
+        out = {k: v.reshape(1, rows * width, *v.shape[2:]) for k, v in out.items()}
+    out = {k: fmt.convert(np.ascontiguousarray(v), None) for k, v in out.items()}
+    out = _rename_and_exclude(out, rename_fields, exclude_fields, allow_missing=False)
+    return fmt.place(out)
+
+
+_HfRows = tuple[np.ndarray, np.ndarray, np.ndarray, "np.ndarray | None", "np.ndarray | None",
+                "_Gathered | None"]
+
+
+def _hf_from_columns(records: Any, tokens_field: str, needs_rows: bool) -> _HfRows | None:
+    """Tokens, lengths, padding, loss mask and positions straight from a block's columns
+    (the packed case), or None for the general path."""
+    columns = getattr(records, "columns", None)
+    pads = getattr(records, "padding_lengths", None)
+    if columns is None or pads is None or needs_rows:
+        return None
+    name = tokens_field
+    if name == "auto":
+        name = next((f for f in ("input_ids", "tokens", "token_ids", "ids") if f in columns),
+                    None)
+    tokens = columns.get(name) if name is not None else None
+    if type(tokens) is not np.ndarray or tokens.ndim != 2 or tokens.dtype.kind not in "iu":
+        return None
+    found = []
+    for field, kinds in (("loss_mask", "iubf"), ("positions", "iu")):
+        values = columns.get(field)
+        if values is not None and (type(values) is not np.ndarray
+                                   or values.shape != tokens.shape
+                                   or values.dtype.kind not in kinds):
+            return None
+        found.append(values)
+    pad = np.asarray(pads, dtype=np.int64)
+    count, width = tokens.shape
+    if len(pad) != count or (count and (pad.min() < 0 or pad.max() > width)):
+        return None  # the general path names the record
+    loss, positions = found
+    return (tokens.astype(np.int64), np.full(count, width, dtype=np.int64), pad, loss,
+            None if positions is None else positions.astype(np.int64), None)
+
+
+def _hf_gather(records: Sequence[Any], tokens_field: str) -> _HfRows:
+    """The general path: every row validated (and named in errors) by :class:`_Gathered`."""
+    batch = _Gathered(records, tokens_field)
+    tokens = batch.stack(batch.tokens, _WHOLE, np.dtype(np.int64))
+    pad = np.array(batch.padding_lengths(), dtype=np.int64)
+    loss_rows = batch.field_rows("loss_mask", required=False, scalar=True)
+    position_rows = batch.field_rows("positions", required=False, scalar=True, integer=True)
+    if position_rows is not None and not batch.uniform:
+        raise ValueError(
+            f"token rows have different lengths ({_preview(batch.lengths)}) and carry "
+            "positions; format='hf' pads rows of different lengths with an attention_mask, "
+            "which transformers does not combine with per-document position_ids: pack the "
+            "rows to one length first (pack_flat)"
+        )
+    loss = None if loss_rows is None else batch.stack(loss_rows, _WHOLE)
+    positions = (None if position_rows is None
+                 else batch.stack(position_rows, _WHOLE, np.dtype(np.int64)))
+    return tokens, batch.lengths.astype(np.int64), pad, loss, positions, batch

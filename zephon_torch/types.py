@@ -505,8 +505,21 @@ class SampleBatch:
         position_mode: Literal["preserve", "sequence"] = "preserve",
         device: Any = None,
         pin_memory: bool = False,
+        format: Literal["hf"] | None = None,
     ) -> dict[str, Any]:
         """Convert the batch to a training-ready dict, with optional LM labels.
+
+        The common cases are one call each:
+
+        - a transformers causal LM: pack to the model's length
+          (``pack_flat(2048)``), then ``to_training(format="hf")`` and
+          ``model(**batch).loss`` (``docs/huggingface.md``);
+        - a loss of your own: pack one token longer (``pack_flat(2049)``),
+          then ``to_training(return_labels=True)`` gives 2048 ``input_ids``
+          and their next-token ``labels``.
+
+        Without either, ``input_ids`` are the whole rows and there are no
+        labels (for inference, or labels made elsewhere).
 
         See ``docs/to_training.md`` for the full contract with worked examples.
         In short: ``"ids"`` and ``"texts"`` are always returned as lists;
@@ -553,6 +566,19 @@ class SampleBatch:
             device: Place every tensor on this device (``non_blocking`` when
                 the source is pinned). Needs tensor output.
             pin_memory: Pin CPU tensors before the device copy.
+            format: ``None`` (the options as given) or ``"hf"``: only what a
+                transformers causal LM's ``forward`` takes, as int64 tensors:
+                ``input_ids`` (the whole rows), ``labels`` (the same tokens,
+                -100 on padding, where a payload ``loss_mask`` is 0, on each
+                document's first token, and after EOS with
+                ``eos_mask_loss``; the model shifts them itself), and
+                ``position_ids`` (rows with payload positions) or
+                ``attention_mask`` (rows without). ``flatten=True`` gives one
+                ``[1, B * S]`` row (transformers' padding-free layout). Takes
+                ``tokens_field``, ``extra_fields``, ``rename_fields``,
+                ``exclude_fields``, ``flatten``, ``eos_mask_loss``,
+                ``eos_token_id``, ``device`` and ``pin_memory``; other
+                options are a ``ValueError``.
 
         Returns:
             A dict with ``ids``, ``texts``, ``input_ids`` and, as requested,
@@ -590,4 +616,5 @@ class SampleBatch:
             position_mode=position_mode,
             device=device,
             pin_memory=pin_memory,
+            format=format,
         )

@@ -632,7 +632,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--chunk-size", type=int, default=512,
                          help="samples a lane reads at a time")
     inspect.add_argument("--shuffle-buffer", type=int, default=1024,
-                         help="buffer of the shuffle stage, in packed rows")
+                         help="buffer of the shuffle stage, in packed rows over all lanes")
     inspect.add_argument("--seed", type=int, default=0, help="seed of the read order")
     inspect.add_argument("--docs-shown", type=int, default=2, help="documents shown per batch")
     inspect.add_argument("--runner", default="threads", choices=runners,

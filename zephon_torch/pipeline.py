@@ -880,27 +880,42 @@ class Pipeline:
         it is the same on every runner and worker count and after a resume.
 
         Args:
-            buffer_size: Records a lane holds: the reservoir of
-                ``"streaming"``, or the block of ``"block"`` and
-                ``"block_warmup"``. Larger mixes further and holds more in
-                memory per lane; it defines the output.
+            buffer_size: Records the shuffle holds, over all lanes: each lane
+                shuffles its own records in a share of ``ceil(buffer_size /
+                num_lanes)`` (the source's ``num_lanes``, so the share is the
+                same on any world size and worker count), the reservoir of
+                ``"streaming"`` or the block of ``"block"`` and
+                ``"block_warmup"``. The first records come out once a lane's
+                share is full, after about ``buffer_size`` were read. Larger
+                mixes further and holds more in memory; it defines the
+                output. It must exceed ``num_lanes`` (one record a lane does
+                not shuffle). This meaning is new: ``buffer_size`` was each
+                lane's size, so pipelines that shuffle give another order
+                than before; ``buffer_size * num_lanes`` gives the old one
+                and resumes a state saved before, which any other size
+                refuses (``docs/migration.md``).
             seed: The shuffle's own seed (the pipeline's seed does not enter
                 it); another seed gives another order.
             algorithm: ``"streaming"`` (a reservoir per lane: once full,
                 each arrival takes the place of a held record, which leaves),
-                ``"block"`` (each block of ``buffer_size`` records in a
-                shuffled order) or ``"block_warmup"`` (as ``"block"``, with
-                blocks doubling from 64 up to ``buffer_size``, so the first
-                batches come sooner).
+                ``"block"`` (each block of a lane's share in a shuffled
+                order) or ``"block_warmup"`` (as ``"block"``, with blocks
+                doubling from ``min(64, share // 16)`` up to the share, so
+                the first batches come sooner).
 
         Returns:
             A new pipeline.
 
         Raises:
-            ValueError: ``buffer_size`` is not a positive integer, ``seed`` is
-                not an integer, or ``algorithm`` is unknown.
+            ValueError: ``buffer_size`` is not a positive integer or is at
+                most ``num_lanes``, ``seed`` is not an integer, or
+                ``algorithm`` is unknown. (``iter()`` checks ``num_lanes``
+                again, for a source changed later by ``with_source`` or a
+                ``Shuffle`` given to ``apply``.)
         """
-        return self.apply(Shuffle(buffer_size, seed=seed, algorithm=algorithm))
+        op = Shuffle(buffer_size, seed=seed, algorithm=algorithm)
+        op.lane_buffer_size(self._source.num_lanes)  # at once, as other parameters are checked
+        return self.apply(op)
 
     def batch(self, microbatch_size: int, *,
               drop_last: bool = _BATCH.drop_last) -> Pipeline:

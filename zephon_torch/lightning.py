@@ -82,18 +82,25 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
+from zephon_torch._extras import missing
+
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.utilities.model_helpers import is_overridden
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-except ImportError:  # the package's older name
-    import pytorch_lightning as pl  # type: ignore[no-redef]
-    from pytorch_lightning.utilities.model_helpers import (  # type: ignore[no-redef]
-        is_overridden,
-    )
-    from pytorch_lightning.utilities.signature_utils import (  # type: ignore[no-redef]
-        is_param_in_hook_signature,
-    )
+except ModuleNotFoundError as exc:  # an extra: say which one
+    if (exc.name or "").split(".")[0] != "lightning":
+        raise
+    try:  # the package's older name
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+        from pytorch_lightning.utilities.model_helpers import (  # type: ignore[no-redef]
+            is_overridden,
+        )
+        from pytorch_lightning.utilities.signature_utils import (  # type: ignore[no-redef]
+            is_param_in_hook_signature,
+        )
+    except ModuleNotFoundError:
+        raise missing("lightning", "zephon_torch.lightning") from exc
 
 from zephon_torch.checkpoint import merge_states
 from zephon_torch.pipeline import Pipeline

@@ -399,7 +399,7 @@ class PipelineIterator:
         while queue and type(queue[0]) is SampleRecord and queue[0].meta.is_flush_sentinel:
             self.accounting.sentinel(lane, queue.popleft().meta.chunk_id)
 
-    def _pump(self, lane: int) -> bool:
+    def _pump(self, lane: int | None = None) -> bool:
         """Advance the engine until some output is ready (under ``runner="lanes"``: the
         next message of ``lane``'s worker); False once it has ended."""
         before = thread_bytes_read()

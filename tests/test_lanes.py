@@ -41,7 +41,7 @@ def _pipe(n: int = 90, num_lanes: int = 4, **config: Any) -> zt.Pipeline:
     config.setdefault("flush_every_k_chunks", 2)
     return (zt.Pipeline.from_items(_texts(n), num_lanes=num_lanes, **config)
             .map_transform(lambda p: {**p, "n": len(p["text"])})
-            .shuffle(6, seed=3).batch(3, drop_last=False))
+            .shuffle(6 * num_lanes, seed=3).batch(3, drop_last=False))
 
 
 def _segments() -> list[str]:

@@ -498,6 +498,7 @@ class Pipeline:
         lanes: Sequence[int] | None = None,
         verify: bool = False,
         task_timeout: float | None = None,
+        epoch: int | None = None,
     ) -> PipelineIterator:
         """Run the pipeline; see :class:`~zephon_torch.runners.iterator.PipelineIterator`.
 
@@ -506,14 +507,33 @@ class Pipeline:
         :func:`zephon_torch.checks.assert_conserved`). ``task_timeout``
         (seconds, ``runner="process"`` only) kills a worker stuck on one
         micro-batch and sends the micro-batch again, so a hang ends in an error.
+        ``epoch`` runs that epoch: a new, reproducible order per epoch, derived
+        from the seeds and the epoch (0, the default, is the order as ever;
+        ``None`` also takes a loaded state's epoch); see ``zephon_torch.epochs``.
         """
         from zephon_torch.runners.iterator import PipelineIterator
 
         return PipelineIterator(
             self, runner=runner, num_workers=num_workers, deterministic=deterministic,
             rank=rank, world_size=world_size, microbatch_sizes=microbatch_sizes, lanes=lanes,
-            verify=verify, task_timeout=task_timeout,
+            verify=verify, task_timeout=task_timeout, epoch=epoch,
         )
+
+    def num_batches(self, *, rank: int | None = None, world_size: int | None = None,
+                    lanes: Sequence[int] | None = None) -> int | None:
+        """How many items one pass yields to a rank, when known without reading the data.
+
+        Items are batches when the chain ends in ``batch``, else records.
+        The count is exact or ``None`` (an upper bound would make a training
+        loop wait for batches that never come): exact for finite sources that
+        cannot make tombstones followed only by ``fetch``, ``tokenize``,
+        ``shuffle``, a final ``batch`` (and ``decode_text`` over in-memory
+        items); see ``zephon_torch.length``, whose ``unknown_reason`` says why
+        a count is ``None``. The same in every epoch.
+        """
+        from zephon_torch.length import num_batches
+
+        return num_batches(self, rank=rank, world_size=world_size, lanes=lanes)
 
     def to_torch_dataset(self, **iter_kwargs: Any) -> TorchIterableDataset:
         """This pipeline as a torch ``IterableDataset`` with ``state_dict``/``load_state_dict``.

@@ -47,7 +47,7 @@ def log_start(it: PipelineIterator) -> None:
         return
     src = it.pipeline.source
     logger.info(
-        "zephon_torch: iterating %r: runner=%s, num_workers=%d, rank %d of %d, lanes %s of "
+        "iterating %r: runner=%s, num_workers=%d, rank %d of %d, lanes %s of "
         "%d, epoch %d, deterministic=%s; stages %s",
         it.pipeline, it.runner, it.num_workers, it.rank, it.world_size, list(it.lanes),
         src.num_lanes, it.epoch, it.deterministic, it.stage_names,
@@ -57,7 +57,7 @@ def log_start(it: PipelineIterator) -> None:
 def log_resume(it: PipelineIterator, replay_chunks: int) -> None:
     """One INFO line: a state was loaded."""
     if logger.isEnabledFor(logging.INFO):
-        logger.info("zephon_torch: resumed %r in epoch %d on lanes %s; %d chunk(s) to replay",
+        logger.info("resumed %r in epoch %d on lanes %s; %d chunk(s) to replay",
                     it.pipeline, it.epoch, list(it.lanes), replay_chunks)
 
 
@@ -69,7 +69,7 @@ def log_skips(message: str) -> None:
 def log_throughput(it: PipelineIterator, report: dict[str, Any]) -> None:
     """The periodic INFO line (``report``: ``Throughput.recent``)."""
     logger.info(
-        "zephon_torch: lanes %s epoch %d: %d item(s), %d sample(s) in %.1f s (%s items/s, "
+        "lanes %s epoch %d: %d item(s), %d sample(s) in %.1f s (%s items/s, "
         "%s samples/s; recently %s items/s); waited %.1f s for data",
         list(it.lanes), it.epoch, report["outputs"], report["samples"], report["elapsed_s"],
         _num(report["outputs_per_s"]), _num(report["samples_per_s"]),
@@ -82,13 +82,13 @@ def log_end(it: PipelineIterator, stats: dict[str, Any]) -> None:
     if logger.isEnabledFor(logging.INFO):
         pace = stats["throughput"]
         logger.info(
-            "zephon_torch: lanes %s epoch %d ended: %d item(s), %d sample(s) delivered, "
+            "lanes %s epoch %d ended: %d item(s), %d sample(s) delivered, "
             "%d tombstoned, %d read, in %.1f s (waited %.1f s)",
             list(it.lanes), it.epoch, pace["outputs"], stats["delivered"],
             stats["tombstoned"], stats["read"], pace["elapsed_s"], pace["wait_s"],
         )
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("zephon_torch: lanes %s stages %s", list(it.lanes), stats["stages"])
+        logger.debug("lanes %s stages %s", list(it.lanes), stats["stages"])
 
 
 def _num(value: float | None) -> str:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import zephon_torch as zt
 from zephon_torch import logs
+from zephon_torch.ops.base import Operator
 
 
 def pipe(n: int = 24) -> zt.Pipeline:
@@ -111,3 +114,29 @@ def test_a_resumed_run_counts_its_pace_from_the_resume() -> None:
     stats = resumed.stats()
     assert stats["throughput"]["outputs"] == len(rest)
     assert stats["outputs"] == len(head) + len(rest)  # the lanes' totals since the start
+
+
+class ExitOnce(Operator):
+    """Ends its worker process on the first micro-batch (a file marks that it happened)."""
+
+    name = "exit_once"
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def process_many(self, elems: list[Any]) -> list[Any]:
+        if not os.path.exists(self.flag):
+            Path(self.flag).write_text("exited")
+            os._exit(3)
+        return list(elems)
+
+
+def test_a_worker_restart_is_logged_as_a_warning(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    flag = tmp_path / "exited"
+    p = pipe().apply(ExitOnce(str(flag)))
+    with caplog.at_level(logging.WARNING, logger="zephon_torch"):
+        out = list(p.iter(runner="process", num_workers=2))
+    assert flag.exists() and len(out) == len(list(pipe().iter(runner="inline")))
+    restarts = [r.getMessage() for r in caplog.records if "starting a new one" in r.getMessage()]
+    assert len(restarts) == 1 and "exited with code 3" in restarts[0], restarts

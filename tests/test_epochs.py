@@ -198,9 +198,32 @@ def test_epoch_counter_advances_on_each_start_unless_set() -> None:
     counter.set_epoch(8)
     counter.set_epoch(8)  # twice (sampler and batch_sampler.sampler) changes nothing
     assert counter.start() == 8
-    counter.load_state_dict({"epoch": 3, "lanes": {}})
+    counter.load_state_dict({"epoch": 3})
     assert counter.start() == 3
     assert counter.state_dict() == {"epoch": 4}
+
+
+def test_epoch_counter_resumes_a_state_in_its_epoch_or_goes_on_after_a_finished_one() -> None:
+    pipe = shuffled_items(12).batch(3)
+    it = pipe.iter(runner="inline", epoch=2)
+    next(it)
+    mid = it.state_dict()
+    rest = list(it)
+    done = it.state_dict()
+    counter = EpochCounter()
+    assert counter.resume(mid) is mid
+    counter.set_epoch(2)  # what Lightning calls after restoring epoch 2
+    assert counter.begin(mid) == 2
+    resumed = pipe.iter(runner="inline", epoch=2)
+    resumed.load_state_dict(mid)
+    assert_same(rest, list(resumed))
+    assert counter.resume(done) is None  # epoch 2 was over: the next one starts afresh
+    assert counter.begin() == 3
+    counter.resume(mid)
+    counter.set_epoch(5)
+    with pytest.raises(ValueError, match="the state was saved in epoch 2, but this iterator "
+                                         "runs epoch 5"):
+        counter.begin(mid)
 
 
 def test_epochs_deliver_the_same_samples_from_files(corpus_dir: Any, tokenizer: Any) -> None:

@@ -205,17 +205,44 @@ class EpochCounter:
             self._next += 1
             return self._current
 
-    def resume(self, epoch: int) -> None:
-        """A loaded state of ``epoch``: the next iteration resumes it."""
-        self.set_epoch(epoch)
+    def resume(self, state: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """A pipeline state was loaded: the next iteration runs its epoch, or the next one.
+
+        Returns the state to resume at the next iteration, or None when every
+        lane of it had ended (:func:`state_finished`): its epoch is over, and
+        the next iteration starts the following epoch afresh.
+        """
+        saved = state_epoch(state)
+        if state_finished(state):
+            self.set_epoch(saved + 1)
+            return None
+        self.set_epoch(saved)
+        return state
+
+    def begin(self, pending: Mapping[str, Any] | None = None) -> int:
+        """:meth:`start` an iteration that resumes ``pending`` (a :meth:`resume` result).
+
+        Raises:
+            ValueError: ``set_epoch`` chose another epoch than the pending
+                state's since it was loaded (the message of
+                :func:`check_state_epoch`): resuming it there would land on
+                other samples.
+        """
+        epoch = self.start()
+        if pending is not None:
+            check_state_epoch(pending, epoch)
+        return epoch
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch": next epoch}``, for a loader state without a pipeline position."""
         return {"epoch": self.next_epoch}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (also takes a pipeline state: its epoch)."""
-        self.set_epoch(state_epoch(state))
+        """Inverse of :meth:`state_dict` (a pipeline state: see :meth:`resume`)."""
+        if "lanes" in state:
+            self.resume(state)
+        else:
+            self.set_epoch(state_epoch(state))
 
     def __repr__(self) -> str:
         return f"EpochCounter(epoch={self.epoch}, next={self.next_epoch})"

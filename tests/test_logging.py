@@ -140,3 +140,16 @@ def test_a_worker_restart_is_logged_as_a_warning(tmp_path: Path,
     assert flag.exists() and len(out) == len(list(pipe().iter(runner="inline")))
     restarts = [r.getMessage() for r in caplog.records if "starting a new one" in r.getMessage()]
     assert len(restarts) == 1 and "exited with code 3" in restarts[0], restarts
+
+
+def test_metrics_flatten_stats_for_a_metrics_logger() -> None:
+    it = pipe().iter(runner="inline", epoch=2)
+    out = list(it)
+    stats = it.stats()
+    numbers = logs.metrics(stats)
+    assert numbers["data/epoch"] == 2.0 and numbers["data/outputs"] == float(len(out))
+    assert numbers["data/samples"] == float(stats["delivered"])
+    assert numbers["data/tombstoned"] == float(stats["tombstoned"])
+    assert 0.0 <= numbers.get("data/wait_fraction", 0.0) <= 1.0
+    assert all(isinstance(v, float) for v in numbers.values())
+    assert set(logs.metrics(stats, prefix="")) == {k[len("data/"):] for k in numbers}

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from zephon_torch.runners.iterator import PipelineIterator
 
-__all__ = ["THROUGHPUT_INTERVAL", "logger"]
+__all__ = ["THROUGHPUT_INTERVAL", "logger", "metrics"]
 
 #: The package's logger (``NullHandler`` only; see the module doc).
 logger = logging.getLogger("zephon_torch")
@@ -93,3 +93,27 @@ def log_end(it: PipelineIterator, stats: dict[str, Any]) -> None:
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def metrics(stats: dict[str, Any], prefix: str = "data/") -> dict[str, float]:
+    """Flat numbers from ``stats()`` for a metrics logger (Lightning's ``log_dict``).
+
+    ``epoch``, ``outputs``, ``samples``, ``tombstoned``, ``outputs_per_s``,
+    ``samples_per_s``, ``wait_s`` and ``wait_fraction`` (the share of the
+    elapsed time the caller waited for data), each under ``prefix``; a rate
+    not known yet (nothing elapsed) is left out.
+    """
+    pace = stats["throughput"]
+    out: dict[str, float] = {
+        "epoch": float(stats["epoch"]),
+        "outputs": float(pace["outputs"]),
+        "samples": float(pace["samples"]),
+        "tombstoned": float(stats["tombstoned"]),
+        "wait_s": float(pace["wait_s"]),
+    }
+    for key in ("outputs_per_s", "samples_per_s"):
+        if pace[key] is not None:
+            out[key] = float(pace[key])
+    if pace["elapsed_s"] > 0:
+        out["wait_fraction"] = min(1.0, pace["wait_s"] / pace["elapsed_s"])
+    return {prefix + key: value for key, value in out.items()}

@@ -38,7 +38,7 @@ Run (one command; the corpus, tokenizer and shards are generated once under
 ``benchmarks/.data/compare``)::
 
     python benchmarks/compare.py --mb 100 --rounds 3 \
-        --out benchmarks/results/compare-latest.json --plot docs/performance.png
+        --out benchmarks/results/compare-latest.json --plot performance.png
 
 ``--plot`` only (from an existing JSON): ``python benchmarks/compare.py
 --from-json FILE --plot PNG``.

@@ -1,14 +1,19 @@
 # Shared by scripts/demo and scripts/test: create .venv if missing and install
-# the project into it. Sourced, not executed.
+# the project into it, with the extras the caller names in ZEPHON_EXTRAS (the
+# demo: only what it runs; the tests: dev, which pulls every integration).
+# Sourced, not executed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
+EXTRAS="${ZEPHON_EXTRAS:-}"
 # torch first, pinned, so that pip does not pull a multi-GB CUDA build when the
 # open range in pyproject.toml meets an empty environment. Override with
 # ZEPHON_TORCH_SPEC (e.g. "torch" to take whatever your index serves).
 TORCH_SPEC="${ZEPHON_TORCH_SPEC:-torch==2.13.0}"
-STAMP="$VENV/.zephon-installed"
+# One stamp per set of extras, so that each script installs its own once (the
+# test environment is a superset of the demo's).
+STAMP="$VENV/.zephon-installed${EXTRAS:+-$EXTRAS}"
 # What the install depends on: its configuration, the C sources of the optional
 # placement kernel (built in place by the editable install) and this script.
 WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/zephon_torch/_native/*.c \
@@ -18,10 +23,10 @@ if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"
 fi
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-    echo "[zephon] installing $TORCH_SPEC and the project (first run only)" >&2
+    echo "[zephon] installing $TORCH_SPEC and the project${EXTRAS:+ [$EXTRAS]} (first run only)" >&2
     "$PY" -m pip install --quiet --upgrade pip setuptools wheel
     "$PY" -m pip install --quiet "$TORCH_SPEC"
-    "$PY" -m pip install --quiet -e "$ROOT[dev,parquet,zstd,fsspec,ray]"
+    "$PY" -m pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}"
     echo "$WANT" > "$STAMP"
 fi
 cd "$ROOT"

@@ -65,7 +65,7 @@ def test_resume_on_the_process_runner(corpus_dir: Path, tokenizer: Any) -> None:
 def test_several_passes_and_many_epochs_restore_exactly(flush_every: int | None) -> None:
     pipe = (items_pipe(40, passes=3, flush_every_k_chunks=flush_every, shuffle=True)
             .map_transform(lambda p: {**p, "n": len(p["text"])})
-            .shuffle(6, seed=2).batch(4, drop_last=True))
+            .shuffle(3 * 6, seed=2).batch(4, drop_last=True))  # 6 rows a lane
     assert_restores_everywhere(pipe, max_replayed_per_lane=max(flush_every or 8, 1) * 4)
 
 
@@ -76,7 +76,7 @@ def test_order_preserving_plans_replay_at_most_one_chunk() -> None:
 
 
 def test_the_state_reflects_what_the_caller_received() -> None:
-    pipe = items_pipe().shuffle(8, seed=0).batch(2)
+    pipe = items_pipe().shuffle(3 * 8, seed=0).batch(2)
     it = pipe.iter(runner="threads", num_workers=2)
     head = [next(it) for _ in range(5)]
     for _ in range(20):  # let the engine run ahead: it must not move the state
@@ -89,7 +89,7 @@ def test_the_state_reflects_what_the_caller_received() -> None:
 
 
 def test_state_is_small_json_and_bounded_by_the_window() -> None:
-    pipe = items_pipe(2000, chunk_size=8).shuffle(16).batch(4)
+    pipe = items_pipe(2000, chunk_size=8).shuffle(3 * 16).batch(4)
     sizes = []
     it = pipe.iter(runner="inline")
     for step, _ in enumerate(it):
@@ -100,7 +100,8 @@ def test_state_is_small_json_and_bounded_by_the_window() -> None:
 
 
 def test_elastic_resume_on_other_world_sizes() -> None:
-    pipe = items_pipe(120, num_lanes=4, flush_every_k_chunks=2).shuffle(5).batch(2)
+    # 18 rows over 4 lanes: ceil(18 / 4) = 5 a lane, whatever the ranks own
+    pipe = items_pipe(120, num_lanes=4, flush_every_k_chunks=2).shuffle(18).batch(2)
     reference = per_lane(collect(pipe, runner="inline"))
     states, heads = [], {}
     for rank in range(2):
@@ -207,7 +208,7 @@ def test_load_after_iterating_is_refused() -> None:
 
 
 def test_a_replay_that_cannot_meet_its_cursor_raises_naming_the_lane() -> None:
-    pipe = items_pipe(num_lanes=2, flush_every_k_chunks=2).shuffle(4).batch(2)
+    pipe = items_pipe(num_lanes=2, flush_every_k_chunks=2).shuffle(2 * 4).batch(2)
     it = pipe.iter(runner="inline")
     for _ in range(3):
         next(it)
@@ -231,7 +232,7 @@ _CONSUMER = textwrap.dedent("""
     import zephon_torch as zt
     texts = [f"doc {i} " + "w " * (i % 11) for i in range(300)]
     pipe = (zt.Pipeline.from_items(texts, num_lanes=3, chunk_size=5, flush_every_k_chunks=2)
-            .shuffle(7, seed=3).batch(3))
+            .shuffle(3 * 7, seed=3).batch(3))
     state_path, out_path = sys.argv[1], sys.argv[2]
     it = pipe.iter(runner="inline")
     if os.path.exists(state_path):
@@ -280,7 +281,7 @@ def test_killed_consumer_resumes_from_its_saved_state(tmp_path: Path) -> None:
 
 
 def test_saving_right_after_a_restore_or_a_few_items_later_resumes_exactly() -> None:
-    pipe = items_pipe(120, flush_every_k_chunks=2).shuffle(5).batch(2)
+    pipe = items_pipe(120, flush_every_k_chunks=2).shuffle(3 * 5).batch(2)
     reference = collect(pipe, runner="inline")
     for k in range(0, len(reference), 4):
         it = pipe.iter(runner="inline")
@@ -308,7 +309,9 @@ def test_chained_checkpoints_in_random_configurations() -> None:
         pipe = (zt.Pipeline.from_items([f"d{i} " + "x " * (i % 5) for i in range(n)],
                                        num_lanes=lanes, chunk_size=chunk,
                                        flush_every_k_chunks=period)
-                .shuffle(rng.randint(1, 10), seed=trial).batch(size, drop_last=rng.random() < .5))
+                # 2 to 10 rows a lane (buffer_size is shared by the lanes; 1 is refused)
+                .shuffle(rng.randint(lanes + 1, 10 * lanes), seed=trial)
+                .batch(size, drop_last=rng.random() < .5))
         reference = collect(pipe, runner="inline")
         for k in sorted(rng.sample(range(len(reference) + 1), min(3, len(reference) + 1))):
             it = pipe.iter(runner="inline")

@@ -118,3 +118,119 @@ def test_bench_without_a_source_checkout_explains_itself(
     monkeypatch.setattr(cli, "_BENCHMARKS", tmp_path / "benchmarks")
     assert cli.main(["bench"]) == 2
     assert "source checkout" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- errors and help
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    """The command failed with status 2 and a single ``error:`` line, no traceback."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_inspect_of_a_parquet_file_without_a_text_column_names_its_columns(
+        tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": [1, 2, 3], "content": ["a b", "c d", "e f"]}), path)
+    for extra in ([], ["--tokenizer", str(train_test_tokenizer(tmp_path / "tok")[1])]):
+        line = _one_line_error(_cli("inspect", str(path), *extra))
+        assert "has no field 'text' (its fields: 'id', 'content')" in line
+        assert "pass --field" in line
+        assert str(path) in line
+
+
+def test_inspect_with_a_missing_tokenizer_says_what_it_takes(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "a.jsonl", documents(20, seed=1))
+    missing = tmp_path / "nope" / "tokenizer.json"
+    line = _one_line_error(_cli("inspect", str(data), "--tokenizer", str(missing)))
+    assert f"--tokenizer {missing}: tokenizer file '{missing}' does not exist" in line
+    assert "nothing is downloaded" in line
+    # A hub name is a path that does not exist either.
+    line = _one_line_error(_cli("inspect", str(data), "--tokenizer", "gpt2"))
+    assert line.startswith("error: --tokenizer gpt2: ") and "does not exist" in line
+
+
+def test_inspect_with_a_file_that_is_not_a_tokenizer_says_so(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "a.jsonl", documents(20, seed=1))
+    bogus = tmp_path / "tokenizer.json"
+    bogus.write_text('{"not": "a tokenizer"}')
+    line = _one_line_error(_cli("inspect", str(data), "--tokenizer", str(bogus)))
+    assert f"--tokenizer {bogus}: could not load the tokenizer from '{bogus}'" in line
+
+
+def test_inspect_of_a_chat_field_says_it_holds_chat_messages(tmp_path: Path) -> None:
+    chat = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"},
+                          {"role": "assistant", "content": "hello"}]} for i in range(20)]
+    chat.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = _one_line_error(_cli("inspect", str(chat), "--field", "messages"))
+    assert "field 'messages' of " in line and " holds chat messages, not text" in line
+    assert "Pipeline.tokenize_chat()" in line
+    # Without --field (text): the record has no text field at all, only chat messages.
+    line = _one_line_error(_cli("inspect", str(chat)))
+    assert "has no field 'text' (its fields: 'messages') and its 'messages' holds chat " \
+           "messages" in line
+    assert "Pipeline.tokenize_chat()" in line
+
+
+def test_inspect_of_json_lines_that_hold_no_text_says_what_they_hold(tmp_path: Path) -> None:
+    arrays = tmp_path / "arrays.jsonl"
+    arrays.write_text("[1, 2]\n[3]\n")
+    line = _one_line_error(_cli("inspect", str(arrays)))
+    assert "line 1 holds a list, not an object with a 'text' field" in line
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"n": 3}\n')
+    line = _one_line_error(_cli("inspect", str(numbers), "--field", "n"))
+    assert f"field 'n' of {numbers} line 1 holds an int, not text; pass --field" in line
+
+
+def test_help_shows_each_options_default() -> None:
+    for command, expected in (("inspect", ["--seq-len SEQ_LEN", "(default: 2048)",
+                                           "(default: text)", "(default: threads)"]),
+                              ("demo", ["(default: 4000)", "(default: 256)"])):
+        result = _cli(command, "--help")
+        assert result.returncode == 0, result.stderr
+        text = " ".join(result.stdout.split())  # argparse wraps lines
+        for part in expected:
+            assert part in text, (command, part, result.stdout)
+        assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_the_progress_bar_counts_batches_in_words(tmp_path: Path) -> None:
+    pytest.importorskip("tqdm")
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    # tqdm draws its bar only on a terminal: give the command a real one, 120 columns wide.
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zephon_torch.cli", "demo", "--docs", "300", "--seq-len", "64",
+         "--runner", "inline", "--out", str(tmp_path)],
+        stdin=subprocess.DEVNULL, stdout=follower, stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 1 << 16)
+        except OSError:  # EIO: the command closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0
+    screen = b"".join(chunks).decode("utf-8", "replace")
+    assert re.search(r"\d batches/s", screen), screen
+    assert re.search(r"\d+ batches \[", screen), screen  # the uninterrupted run: no total
+    assert not re.search(r"\dbatch", screen), screen

@@ -65,8 +65,9 @@ def pipelines(draw: st.DrawFn, tokenizer: Any) -> Pipeline:
     weights = None
     if len(sources) > 1 and draw(st.booleans()):
         weights = [draw(st.floats(0.1, 4.0)) for _ in sources]
+    num_lanes = draw(st.integers(1, 5))
     pipe = Pipeline.from_sources(
-        sources, weights, num_lanes=draw(st.integers(1, 5)), chunk_size=draw(st.integers(1, 9)),
+        sources, weights, num_lanes=num_lanes, chunk_size=draw(st.integers(1, 9)),
         seed=draw(st.integers(0, 2**31)), passes=draw(st.integers(1, 2)),
         shuffle=draw(st.booleans()),
         flush_every_k_chunks=draw(st.sampled_from([None, 1, 3])),
@@ -94,7 +95,9 @@ def pipelines(draw: st.DrawFn, tokenizer: Any) -> Pipeline:
     if len(sources) > 1 and draw(st.booleans()):
         pipe = pipe.ensure_mixture(max_buffer_size=draw(st.integers(4, 50)))
     if draw(st.booleans()):
-        pipe = pipe.shuffle(draw(st.integers(1, 20)), seed=draw(st.integers(0, 9)),
+        # 2 to 20 rows a lane: the buffer is shared by the lanes (1 row a lane is refused).
+        pipe = pipe.shuffle(draw(st.integers(num_lanes + 1, 20 * num_lanes)),
+                            seed=draw(st.integers(0, 9)),
                             algorithm=draw(st.sampled_from(["streaming", "block",
                                                             "block_warmup"])))
     if draw(st.booleans()):

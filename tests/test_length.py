@@ -77,7 +77,7 @@ def test_in_memory_items_tokenized_are_counted(tokenizer: Any) -> None:
     (lambda c, t: items(10).filter(lambda p: True).batch(2), "filter may drop"),
     (lambda c, t: items(10).map_transform(lambda p: p).batch(2), "map_transform may drop"),
     (lambda c, t: items(10).tokenize(t).pack_flat(16).batch(2), "pack_flat may drop"),
-    (lambda c, t: items(10).batch(2).shuffle(4), "batch is followed by other stages"),
+    (lambda c, t: items(10).batch(2).shuffle(16), "batch is followed by other stages"),
     (lambda c, t: items(10, passes=None).batch(2), "repeats forever"),
     (lambda c, t: zt.Pipeline.from_items(["a", "", "b"]).batch(1),
      "holds empty texts"),

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import zephon_torch as zt
+from zephon_torch.checkpoint import fingerprint_parts, state_checksum
 from zephon_torch.ops.accumulators import CountingAccumulator
 from zephon_torch.ops.base import OpContext
 from zephon_torch.ops.shuffle import (
+    BUFFER_SPLIT,
     SHUFFLE_ALGORITHMS,
     ReservoirShuffleAccumulator,
     Shuffle,
     WarmupBlockAccumulator,
+    lane_buffer_size,
     salt_of,
     shuffle_prefix,
 )
@@ -110,7 +115,7 @@ _records = st.integers(0, 60).flatmap(
 @given(
     data=_records,
     algorithm=st.sampled_from(SHUFFLE_ALGORITHMS),
-    buffer_size=st.integers(1, 12),
+    buffer_size=st.integers(2, 12),  # 1 (one row per lane) does not shuffle: refused
     seed=st.integers(-5, 5),
     cuts=st.lists(st.integers(0, 60), max_size=8),
 )
@@ -126,7 +131,7 @@ def test_every_algorithm_is_a_per_lane_permutation(data, algorithm, buffer_size,
 @given(
     data=_records,
     algorithm=st.sampled_from(SHUFFLE_ALGORITHMS),
-    buffer_size=st.integers(1, 12),
+    buffer_size=st.integers(2, 12),  # 1 (one row per lane) does not shuffle: refused
     cuts=st.lists(st.integers(0, 60), max_size=8),
 )
 def test_output_does_not_depend_on_push_grouping(data, algorithm, buffer_size, cuts):
@@ -321,7 +326,7 @@ def test_bad_seed_is_a_value_error():
 @given(
     events=st.lists(st.tuples(st.booleans(), st.integers(0, 2)), max_size=60),
     algorithm=st.sampled_from(SHUFFLE_ALGORITHMS),
-    buffer_size=st.integers(1, 6),
+    buffer_size=st.integers(2, 6),
 )
 def test_each_reset_flush_starts_the_lane_over(events, algorithm, buffer_size):
     # events: (True, lane) is a flush sentinel of that lane, (False, lane) a record.
@@ -393,3 +398,155 @@ def test_the_block_paths_decide_exactly_as_the_record_paths(size: int) -> None:
               for b in warm_blocks.push_block(Block.from_records(part))]
     theirs += [b.take(order_block(b, prefix)).records() for b in warm_blocks.flush()]
     assert theirs == mine
+
+
+# --------------------------------------------------------------------------- one buffer, split
+
+
+@pytest.mark.parametrize("algorithm", SHUFFLE_ALGORITHMS)
+@pytest.mark.parametrize(("buffer_size", "num_lanes", "share"),
+                         [(12, 1, 12), (12, 3, 4), (13, 4, 4), (9, 8, 2), (8192, 8, 1024)])
+def test_each_lane_holds_its_share_of_the_buffer(algorithm, buffer_size, num_lanes, share):
+    op = Shuffle(buffer_size, seed=2, algorithm=algorithm)
+    assert op.lane_buffer_size(num_lanes) == lane_buffer_size(buffer_size, num_lanes) == share
+    acc = op.accumulator(deterministic=True, ctx=OpContext(num_lanes=num_lanes))
+    held = acc.max_batch if isinstance(acc, CountingAccumulator) else acc.buffer_size
+    assert held == share
+
+
+@pytest.mark.parametrize("algorithm", SHUFFLE_ALGORITHMS)
+def test_a_lanes_order_is_that_of_its_share_alone(algorithm):
+    # The old meaning (each lane holds buffer_size) is buffer_size * num_lanes now: the
+    # documented way to get an old order back for a new run.
+    records = _stream(90, lanes=3)
+    split = Shuffle(15, seed=4, algorithm=algorithm)
+    acc = split.accumulator(deterministic=True, ctx=OpContext(num_lanes=3))
+    got = [r for mb in acc.push_many(records) + acc.flush() for r in split.process_many(mb)]
+    assert _by_lane(got) == _by_lane(_run(Shuffle(5, seed=4, algorithm=algorithm), [records]))
+
+
+def test_a_buffer_of_one_row_per_lane_is_refused_naming_the_numbers():
+    pipe = zt.Pipeline.from_items([f"d{i}" for i in range(40)], num_lanes=8, chunk_size=4)
+    with pytest.raises(ValueError, match=(
+            r"shuffle\(buffer_size=8\) over 8 lanes gives each lane a buffer of 1 row, which "
+            r"does not shuffle at all: .* \(ceil\(8 / 8\) = 1 row per lane\)\. Pass "
+            r"buffer_size >= 9 .* or build the source with fewer lanes")):
+        pipe.shuffle(8, seed=1)  # at once, as other parameters are checked
+    # A source given more lanes later, or a Shuffle given to apply(): when the run starts.
+    fewer = zt.Pipeline.from_items([f"d{i}" for i in range(40)], num_lanes=2, chunk_size=4)
+    for late in (fewer.shuffle(8, seed=1).with_source(num_lanes=8),
+                 pipe.apply(Shuffle(8, seed=1))):
+        with pytest.raises(ValueError, match=r"shuffle\(buffer_size=8\) over 8 lanes gives"):
+            late.iter(runner="inline")
+    with pytest.raises(ValueError, match=r"shuffle\(buffer_size=1\) over 1 lane gives"):
+        Shuffle(1, algorithm="block").accumulator(deterministic=True, ctx=OpContext())
+    assert len(list(pipe.shuffle(9, seed=1).iter(runner="inline"))) == 40  # 2 rows a lane
+
+
+@pytest.mark.parametrize("algorithm", SHUFFLE_ALGORITHMS)
+def test_the_first_item_waits_for_about_buffer_size_rows_not_one_buffer_per_lane(algorithm):
+    # 8 lanes, a buffer of 256 rows, chunks of 4, and epochs far longer than any buffer
+    # (no flush empties a reservoir early). Lane 0 emits once it holds its share of 32
+    # rows (a block) or one more (a reservoir's first eviction); the source deals chunks
+    # to the lanes in turn, so by then it has read about 256 rows in all (at least 7
+    # rounds of 8 chunks and lane 0's 8th chunk), where one buffer of 256 per lane read
+    # over 2048.
+    buffer_size, lanes, chunk = 256, 8, 4
+    pipe = (zt.Pipeline.from_items([f"d{i}" for i in range(4000)], num_lanes=lanes,
+                                   chunk_size=chunk, flush_every_k_chunks=256)
+            .shuffle(buffer_size, seed=1, algorithm=algorithm))
+    with pipe.iter(runner="inline") as it:
+        first = next(it)
+        read = sum(lane["read"] for lane in it.stats()["lanes"].values())
+    assert first.meta.lane_id == 0
+    assert read <= buffer_size + 2 * lanes * chunk, f"{read} rows read before the first item"
+    if algorithm != "block_warmup":  # the warmup's first block is 2 rows, by design
+        least = buffer_size - (lanes - 1) * chunk
+        assert read >= least, f"only {read} rows read: was lane 0's share full?"
+
+
+def _unsplit_state(pipe: zt.Pipeline, old_buffer_size: int, batches: int) -> dict:
+    """A state as a zephon_torch from before the split saved it for ``shuffle(old_buffer_size)``.
+
+    ``pipe`` ends in the shuffle and a batch, with ``old_buffer_size * num_lanes``
+    as its buffer: the same order the old shuffle gave, so the same positions.
+    Only the fingerprint told the two apart: the old config had each lane's
+    buffer as ``buffer_size`` and no ``buffer_split`` entry.
+    """
+    with pipe.iter(runner="inline") as it:
+        for _ in range(batches):
+            next(it)
+        state = json.loads(json.dumps(it.state_dict()))
+    before = pipe.fingerprint()
+    for op in before["ops"]:
+        if op.pop("buffer_split", None) is not None:
+            op["buffer_size"] = old_buffer_size
+    state["fingerprint"] = fingerprint_parts(before, pipe.stage_names())
+    state["checksum"] = state_checksum(state)
+    return state
+
+
+def _texts(batches) -> list[list[str]]:
+    return [[r.payload["text"] for r in b] for b in batches]
+
+
+@pytest.mark.parametrize("algorithm", SHUFFLE_ALGORITHMS)
+def test_a_state_saved_while_each_lane_held_the_whole_buffer_is_refused_naming_the_fix(
+        algorithm):
+    def make(buffer_size: int, seed: int = 1) -> zt.Pipeline:
+        return (zt.Pipeline.from_items([f"d{i}" for i in range(60)], num_lanes=2, chunk_size=4,
+                                       flush_every_k_chunks=4)
+                .shuffle(buffer_size, seed=seed, algorithm=algorithm).batch(2))
+
+    state = _unsplit_state(make(16), old_buffer_size=8, batches=3)
+    # The same code as when it was saved, shuffle(8): now 4 rows a lane, another order.
+    for pipe, also in ((make(8), ""), (make(16, seed=2), "; also seed 1 -> 2")):
+        resumed = pipe.iter(runner="inline")
+        with pytest.raises(ValueError) as info:
+            resumed.load_state_dict(state)
+        resumed.close()
+        assert str(info.value) == (
+            "the state was saved by a zephon_torch from before shuffle's buffer_size became the "
+            "pipeline's whole buffer, shared by the lanes (ops[0] shuffle held buffer_size=8 "
+            "rows in each of the 2 lanes, which is shuffle(buffer_size=16) now" + also + "); "
+            "this pipeline shuffles in another order, so the state cannot resume it and nothing "
+            "was loaded. To resume the state exactly, build the shuffle with that buffer_size "
+            "(the same rows per lane as then) and keep it for the rest of the run; else finish "
+            "the run with the version that saved the state, or start afresh without it (see "
+            "'From an earlier zephon_torch: the shuffle buffer' in docs/migration.md)")
+
+
+def test_the_refusal_of_an_unsplit_state_names_the_other_differences_too():
+    pipe = (zt.Pipeline.from_items([f"d{i}" for i in range(60)], num_lanes=2, chunk_size=4)
+            .shuffle(16, seed=1).batch(2))
+    state = _unsplit_state(pipe, old_buffer_size=8, batches=2)
+    other = (zt.Pipeline.from_items([f"d{i}" for i in range(60)], num_lanes=2, chunk_size=4)
+             .shuffle(8, seed=1).batch(3))
+    with pytest.raises(ValueError, match=(
+            r"\(ops\[0\] shuffle held buffer_size=8 rows in each of the 2 lanes, which is "
+            r"shuffle\(buffer_size=16\) now\); .* nothing was loaded\. The configuration also "
+            r"differs: ops\[1\] batch \(microbatch_size 2 -> 3\)\. To resume")), \
+            other.iter(runner="inline") as it:
+        it.load_state_dict(state)
+
+
+@pytest.mark.parametrize("algorithm", SHUFFLE_ALGORITHMS)
+def test_an_unsplit_state_resumes_exactly_under_the_buffer_size_the_refusal_names(algorithm):
+    pipe = (zt.Pipeline.from_items([f"d{i}" for i in range(90)], num_lanes=3, chunk_size=4,
+                                   flush_every_k_chunks=3)
+            .shuffle(3 * 7, seed=5, algorithm=algorithm).batch(2))
+    reference = _texts(pipe.iter(runner="inline"))
+    for k in (1, 4, len(reference) // 2):
+        state = _unsplit_state(pipe, old_buffer_size=7, batches=k)
+        with pipe.iter(runner="inline") as it:
+            it.load_state_dict(state)
+            assert _texts(it) == reference[k:]
+        # Its next state is written the new way, and resumes as any state does.
+        with pipe.iter(runner="inline") as it:
+            it.load_state_dict(state)
+            next(it)
+            again = it.state_dict()
+        assert again["fingerprint"]["ops[0].buffer_split"] == json.dumps(BUFFER_SPLIT)
+        with pipe.iter(runner="inline") as it:
+            it.load_state_dict(again)
+            assert _texts(it) == reference[k + 1:]

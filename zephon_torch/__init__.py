@@ -1,8 +1,8 @@
 """zephon_torch: a deterministic, checkpointable data pipeline for LLM training.
 
-The core (data model, operators, sources, runners) imports numpy and the
-standard library only; torch, torchdata, Lightning and Ray are imported by the
-integration modules that need them, when they are used.
+The core (data model, operators, sources, runners) imports numpy, tokenizers
+and the standard library only; torch, torchdata, Lightning and Ray are imported
+by the integration modules that need them, when they are used.
 """
 
 import logging as _logging
@@ -40,6 +40,7 @@ def __getattr__(name: str) -> object:
     if name == "DataLoader":
         from zephon_torch.torch.loader import DataLoader
 
+        globals()[name] = DataLoader  # later lookups (and pdoc) find it in the namespace
         return DataLoader
     raise AttributeError(f"module 'zephon_torch' has no attribute {name!r}")
 

@@ -58,6 +58,7 @@ from zephon_torch.accounting import LaneProgress, ProgressTracker
 from zephon_torch.block import ID_CHUNK, Block
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
+from zephon_torch.ops.shuffle import BUFFER_SPLIT, lane_buffer_size
 from zephon_torch.sources.base import parse_content_table
 from zephon_torch.sources.schedule import ScheduleState
 from zephon_torch.types import SampleBatch, SampleRecord
@@ -464,7 +465,13 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
                          "loaded")
     differ = sorted(k for k in set(mine) | set(theirs)
                     if k != "data" and not _is_detail(k) and mine.get(k) != theirs.get(k))
+    # A shuffle saved before its buffer was split over the lanes resumes only
+    # where this pipeline's shuffle gives each lane the buffer it had then.
+    differ = [k for k in differ if not _same_as_unsplit_shuffle(k, fingerprint, theirs)]
     if differ:
+        meaning = _shuffle_meaning_change(differ, mine, theirs, state["num_lanes"])
+        if meaning:
+            raise ValueError(meaning)
         named = [_describe_ops_part(k, mine, theirs) if k.startswith("ops") else k
                  for k in differ]
         detail = (_datasets_detail(mine.get("data"), theirs.get("data"), fingerprint)
@@ -534,8 +541,15 @@ def _describe_ops_part(key: str, mine: Mapping[str, str], theirs: Mapping[str, A
         return f"{key} {label} (its parameters)"
     if there.get("op") != here.get("op"):
         return f"{key} {label} (the operator was {_op_label(key, theirs)})"
+    changes = _param_changes(here, there, skip={"op"})
+    return f"{key} {label} ({', '.join(changes) or 'its parameters'})"
+
+
+def _param_changes(here: Mapping[str, Any], there: Mapping[str, str], *,
+                   skip: set[str]) -> list[str]:
+    """An operator's changed parameters, ``state's -> this pipeline's``, but those in ``skip``."""
     changes = []
-    for param in sorted((set(here) | set(there)) - {"op"}):
+    for param in sorted((set(here) | set(there)) - skip):
         old, new = there.get(param), here.get(param)
         if old == new:
             continue
@@ -545,7 +559,80 @@ def _describe_ops_part(key: str, mine: Mapping[str, str], theirs: Mapping[str, A
             changes.append(f"{param} changed")
         else:
             changes.append(f"{param} {old} -> {new}")
-    return f"{key} {label} ({', '.join(changes) or 'its parameters'})"
+    return changes
+
+
+def _same_as_unsplit_shuffle(key: str, fingerprint: Mapping[str, Any],
+                             theirs: Mapping[str, Any]) -> bool:
+    """Whether differing part ``key`` is a shuffle saved unsplit that this one equals.
+
+    A state saved while a shuffle's ``buffer_size`` was each lane's buffer
+    has no ``buffer_split`` in that operator's config. This pipeline's
+    shuffle gives the same order exactly when it has the same parameters and
+    its lanes' share (:func:`~zephon_torch.ops.shuffle.lane_buffer_size`)
+    is the old ``buffer_size``: then the old config, rebuilt from this one,
+    has the state's digest.
+    """
+    index = key[len("ops["):-1]
+    if not (key.startswith("ops[") and key.endswith("]") and index.isdigit()):
+        return False
+    ops = fingerprint.get("ops") or []
+    if int(index) >= len(ops) or f"{key}.buffer_split" in theirs:
+        return False
+    config = dict(ops[int(index)])
+    if config.get("buffer_split") != BUFFER_SPLIT:
+        return False
+    try:
+        share = lane_buffer_size(config["buffer_size"], fingerprint["num_lanes"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    del config["buffer_split"]
+    config["buffer_size"] = share
+    return _digest(config) == theirs.get(key)
+
+
+def _shuffle_meaning_change(differ: Sequence[str], mine: Mapping[str, Any],
+                            theirs: Mapping[str, Any], num_lanes: int) -> str | None:
+    """The refusal of a state saved while a shuffle's ``buffer_size`` was each lane's.
+
+    Such a state's shuffle has no ``buffer_split`` entry
+    (:data:`~zephon_torch.ops.shuffle.BUFFER_SPLIT`) in its config. The
+    generic message would tell the user to resume with the same operators,
+    which they did; this one says what changed and what to do. None when no
+    differing shuffle of the state predates the split.
+    """
+    old = [key for key in differ
+           if key.startswith("ops[") and key.endswith("]") and key in theirs
+           and f"{key}.buffer_split" in mine and f"{key}.buffer_split" not in theirs
+           and f"{key}.buffer_size" in theirs
+           and theirs.get(f"{key}.op") == mine.get(f"{key}.op")]
+    if not old:
+        return None
+    shown = []
+    for key in old:
+        size = str(theirs[f"{key}.buffer_size"])
+        prefix = f"{key}."
+        here = {k[len(prefix):]: v for k, v in mine.items() if k.startswith(prefix)}
+        there = {k[len(prefix):]: str(v) for k, v in theirs.items() if k.startswith(prefix)}
+        # Any other parameter that changed too must be named, or the advice misleads.
+        changed = _param_changes(here, there, skip={"op", "buffer_size", "buffer_split"})
+        shown.append(f"{key} {_op_label(key, mine)} held buffer_size={size} rows in each of the "
+                     f"{num_lanes} lanes" + (f", which is shuffle(buffer_size="
+                                             f"{int(size) * num_lanes}) now" if size.isdigit()
+                                             else "")
+                     + (f"; also {', '.join(changed)}" if changed else ""))
+    others = [_describe_ops_part(k, mine, theirs) if k.startswith("ops") else k
+              for k in differ if k not in old]
+    also = f" The configuration also differs: {', '.join(others)}." if others else ""
+    return (
+        f"the state was saved by a zephon_torch from before shuffle's buffer_size became the "
+        f"pipeline's whole buffer, shared by the lanes ({'; '.join(shown)}); this pipeline "
+        f"shuffles in another order, so the state cannot resume it and nothing was loaded."
+        f"{also} To resume the state exactly, build the shuffle with that buffer_size (the "
+        "same rows per lane as then) and keep it for the rest of the run; else finish the run "
+        "with the version that saved the state, or start afresh without it (see 'From an "
+        "earlier zephon_torch: the shuffle buffer' in docs/migration.md)"
+    )
 
 
 def _op_label(key: str, parts: Mapping[str, Any]) -> str:

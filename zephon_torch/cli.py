@@ -82,8 +82,9 @@ class _Progress:
             except ImportError:  # the plain lines will do
                 pass
             else:
-                self._bar = tqdm(total=total, desc=f"  {label}", unit="batch", file=self.out,
-                                 dynamic_ncols=True, leave=True)
+                # tqdm glues the unit to the count ("333batch"): the space is ours.
+                self._bar = tqdm(total=total, desc=f"  {label}", unit=" batches",
+                                 file=self.out, dynamic_ncols=True, leave=True)
 
     def rates(self) -> tuple[float, float, float]:
         """Elapsed seconds, samples/s, tokens/s."""
@@ -370,34 +371,136 @@ def _source_for(pattern: str, fmt: str, **config: Any) -> Pipeline:
     return Pipeline.from_text_files(pattern, **config)
 
 
-def _inspect(args: argparse.Namespace) -> int:
-    from tokenizers import Tokenizer
+class _UsageError(Exception):
+    """A problem with the command's input, shown as one ``error:`` line (no traceback)."""
 
+
+def _first_payload(source: Pipeline) -> tuple[Any, str] | None:
+    """The payload of the first document the pipeline reads, and where it is; None: no data.
+
+    JSON lines are parsed here (a line that does not parse is left for the
+    pipeline to report); text files always give text, so they are not read.
+    """
+    dataset = source.source.datasets[0]
+    if dataset.kind == "text_files":
+        return None
+    with source.fetch().iter(runner="inline") as it:
+        record = next(iter(it), None)
+    if record is None:
+        return None
+    _, shard, local = record.meta.sample_id
+    where = dataset.locate(shard, local)
+    payload = record.payload
+    if isinstance(payload, (bytes, bytearray, memoryview, str)):
+        try:
+            payload = json.loads(bytes(payload) if not isinstance(payload, str) else payload)
+        except ValueError:
+            return None
+    return payload, where
+
+
+def _a(value: Any) -> str:
+    """The type of ``value`` with its article, for a message: ``"an int"``, ``"a list"``."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _is_chat(value: Any) -> bool:
+    """A list of ``{"role": ..., "content": ...}`` messages."""
+    return isinstance(value, list) and any(isinstance(m, dict) and "role" in m for m in value)
+
+
+def _check_text_field(source: Pipeline, field: str) -> None:
+    """Stop with one clear line when the first document holds no text under ``field``.
+
+    Raises:
+        _UsageError: The field is missing, holds chat messages, or is not a string.
+    """
+    found = _first_payload(source)
+    if found is None:
+        return
+    payload, where = found
+    if not isinstance(payload, dict):
+        raise _UsageError(f"{where} holds {_a(payload)}, not an object with a {field!r} "
+                          "field; inspect previews JSON objects with a text field")
+    if field not in payload:
+        keys = ", ".join(repr(k) for k in list(payload)[:12]) or "none"
+        chats = [k for k, v in payload.items() if _is_chat(v)]
+        if chats and not any(isinstance(v, str) for v in payload.values()):
+            raise _UsageError(
+                f"{where} has no field {field!r} (its fields: {keys}) and its {chats[0]!r} "
+                "holds chat messages; inspect previews plain-text documents: tokenize chat "
+                "data in a pipeline with Pipeline.tokenize_chat()")
+        raise _UsageError(f"{where} has no field {field!r} (its fields: {keys}); pass "
+                          "--field with the name of the field that holds the text")
+    value = payload[field]
+    if _is_chat(value):
+        raise _UsageError(
+            f"field {field!r} of {where} holds chat messages, not text; inspect previews "
+            "plain-text documents: pass --field with a text field, or tokenize chat data "
+            "in a pipeline with Pipeline.tokenize_chat()"
+        )
+    if not isinstance(value, str):
+        raise _UsageError(f"field {field!r} of {where} holds {_a(value)}, not text; pass "
+                          "--field with the name of the field that holds the text")
+
+
+def _load_tokenizer(tokenizer: Any, field: str) -> tuple[Any, int | None]:
+    """The tokenizer (a path, or a trained one) and its EOS id, as the pipeline loads them.
+
+    Raises:
+        _UsageError: No such file or folder, not a tokenizer, or no EOS token.
+    """
     from zephon_torch.ops.tokenize import Tokenize
 
-    config = {"num_lanes": args.num_lanes, "chunk_size": args.chunk_size, "seed": args.seed}
     try:
-        source = _source_for(args.path, args.format, **config)
-        if args.tokenizer:
-            tokenizer = Tokenizer.from_file(args.tokenizer)
-            origin = args.tokenizer
-        else:
-            from zephon_torch.demo import train_tokenizer
+        # The operator reads the file, resolves EOS the way the pipeline will,
+        # and says what is wrong when it cannot.
+        op = Tokenize(tokenizer, field=field, special_tokens="eos")
+    except (FileNotFoundError, ValueError, TypeError) as exc:
+        if not isinstance(tokenizer, (str, os.PathLike)):
+            raise _UsageError(f"the tokenizer trained on your documents: {exc}") from exc
+        if isinstance(exc, FileNotFoundError):
+            # Often a model name, as transformers takes: say how to get its tokenizer.json.
+            raise _UsageError(
+                f"--tokenizer {tokenizer}: {exc}; nothing is downloaded: for a Hugging Face "
+                "model, save its tokenizer first (AutoTokenizer.from_pretrained(name)"
+                ".save_pretrained('tok')) and pass --tokenizer tok") from exc
+        raise _UsageError(f"--tokenizer {tokenizer}: {exc}") from exc
+    return op.tokenizer, op.eos_token_id
 
-            sample_pipe = source.fetch().decode_text(args.field)
-            with sample_pipe.iter(runner="inline") as it:
-                texts = [r.payload[args.field] for _, r in zip(range(2000), it)]
-            tokenizer = train_tokenizer(texts)
-            origin = (f"a BPE trained on {len(texts)} of your documents (pass --tokenizer "
-                      "for your model's)")
-        # The operator resolves EOS the way the pipeline will, and says so if it cannot.
-        eos = Tokenize(tokenizer, field=args.field, special_tokens="eos").eos_token_id
-        pipe = _canonical(source, tokenizer, seq_len=args.seq_len, batch_size=args.batch_size,
-                          pad_id=eos if eos is not None else 0, field=args.field,
-                          shuffle_buffer=args.shuffle_buffer, seed=args.seed)
-    except (ValueError, FileNotFoundError, TypeError) as exc:
+
+def _inspect(args: argparse.Namespace) -> int:
+    try:
+        return _inspect_checked(args)
+    except BrokenPipeError:  # `| head`: main() handles it
+        raise
+    except (_UsageError, ValueError, OSError, ImportError) as exc:
+        # Problems with the user's files, options or environment: one line, no traceback.
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _inspect_checked(args: argparse.Namespace) -> int:
+    config = {"num_lanes": args.num_lanes, "chunk_size": args.chunk_size, "seed": args.seed}
+    source = _source_for(args.path, args.format, **config)
+    _check_text_field(source, args.field)
+    if args.tokenizer:
+        tokenizer, eos = _load_tokenizer(args.tokenizer, args.field)
+        origin = args.tokenizer
+    else:
+        from zephon_torch.demo import train_tokenizer
+
+        sample_pipe = source.fetch().decode_text(args.field)
+        with sample_pipe.iter(runner="inline") as it:
+            texts = [r.payload.get(args.field) for _, r in zip(range(2000), it)]
+        texts = [t for t in texts if isinstance(t, str)]
+        tokenizer, eos = _load_tokenizer(train_tokenizer(texts), args.field)
+        origin = (f"a BPE trained on {len(texts)} of your documents (pass --tokenizer "
+                  "for your model's)")
+    pipe = _canonical(source, tokenizer, seq_len=args.seq_len, batch_size=args.batch_size,
+                      pad_id=eos if eos is not None else 0, field=args.field,
+                      shuffle_buffer=args.shuffle_buffer, seed=args.seed)
     datasets = source.source.datasets
     print(f"source:    {args.path} ({', '.join(d.kind for d in datasets)}; "
           f"{sum(len(d) for d in datasets):,} documents)")
@@ -412,9 +515,6 @@ def _inspect(args: argparse.Namespace) -> int:
             except StopIteration:
                 print(f"(the data ends after {index} batches)")
                 break
-            except ValueError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 2
             pad = sum(r.meta.padding_length or 0 for r in batch)
             slots = sum(len(r.payload["input_ids"]) for r in batch)
             docs = [len(r.meta.contributors) for r in batch]
@@ -467,52 +567,78 @@ def _bench(argv: Sequence[str]) -> int:
 # --------------------------------------------------------------------------- main
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default, except where there is none to show.
+
+    Like ``argparse.ArgumentDefaultsHelpFormatter``, but silent for ``None``
+    and ``False`` defaults (whose help says what happens without the option).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or default is None or default is False
+                or default is argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def _parser() -> argparse.ArgumentParser:
     from zephon_torch import __version__
 
     parser = argparse.ArgumentParser(
-        prog="zephon-torch",
+        prog="zephon-torch", formatter_class=_HelpFormatter,
         description="zephon_torch: a deterministic, checkpointable data pipeline for LLM "
                     "training on PyTorch.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    runners = ["inline", "threads", "process"]
 
     demo = commands.add_parser(
         "demo", help="generate a corpus, run the canonical pipeline, checkpoint, resume",
+        formatter_class=_HelpFormatter,
         description="Generate a corpus, train a tokenizer, run the canonical pipeline with "
                     "a progress bar, print a sample batch, checkpoint mid-way, resume in a "
                     "fresh iterator and prove the continuation is identical.")
-    demo.add_argument("--runner", default="threads", choices=["inline", "threads", "process"])
-    demo.add_argument("--num-workers", type=int, default=2)
+    demo.add_argument("--runner", default="threads", choices=runners,
+                      help="where the stages run (the output is the same with each)")
+    demo.add_argument("--num-workers", type=int, default=2,
+                      help="threads or processes of the runner")
     demo.add_argument("--docs", type=int, default=4000, help="documents to generate")
     demo.add_argument("--seq-len", type=int, default=256,
-                      help="model sequence length (rows are one token longer, for labels)")
-    demo.add_argument("--batch-size", type=int, default=8)
-    demo.add_argument("--seed", type=int, default=0)
+                      help="model sequence length; rows are one token longer, for labels")
+    demo.add_argument("--batch-size", type=int, default=8, help="rows per batch")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the corpus and the orders")
     demo.add_argument("--out", help="keep corpus, tokenizer and checkpoint here "
                       "(default: a temporary folder)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     inspect = commands.add_parser(
         "inspect", help="preview batches of your data through the canonical pipeline",
+        formatter_class=_HelpFormatter,
         description="Preview batches of JSONL, Parquet or text files through the canonical "
                     "pipeline: decoded text, shapes, padding, and the iterator's stats().")
     inspect.add_argument("path", metavar="PATH_OR_GLOB", help="files (a glob or fsspec URL)")
-    inspect.add_argument("--tokenizer", help="tokenizer.json (default: a BPE trained on a "
-                         "sample of the data)")
-    inspect.add_argument("--seq-len", type=int, default=2048)
+    inspect.add_argument("--tokenizer", help="a tokenizer.json, or a folder holding one "
+                         "(default: a BPE trained on a sample of the data)")
+    inspect.add_argument("--seq-len", type=int, default=2048,
+                         help="model sequence length; rows are one token longer, for labels")
     inspect.add_argument("--batches", type=int, default=3, help="batches to show")
-    inspect.add_argument("--batch-size", type=int, default=8)
+    inspect.add_argument("--batch-size", type=int, default=8, help="rows per batch")
     inspect.add_argument("--field", default="text", help="the text field of each record")
-    inspect.add_argument("--format", default="auto", choices=["auto", "jsonl", "parquet", "text"])
-    inspect.add_argument("--num-lanes", type=int, default=8)
-    inspect.add_argument("--chunk-size", type=int, default=512)
-    inspect.add_argument("--shuffle-buffer", type=int, default=1024)
-    inspect.add_argument("--seed", type=int, default=0)
+    inspect.add_argument("--format", default="auto", choices=["auto", "jsonl", "parquet", "text"],
+                         help="the files' format; auto reads it from the extension")
+    inspect.add_argument("--num-lanes", type=int, default=8, help="lanes of the pipeline")
+    inspect.add_argument("--chunk-size", type=int, default=512,
+                         help="samples a lane reads at a time")
+    inspect.add_argument("--shuffle-buffer", type=int, default=1024,
+                         help="buffer of the shuffle stage, in packed rows over all lanes")
+    inspect.add_argument("--seed", type=int, default=0, help="seed of the read order")
     inspect.add_argument("--docs-shown", type=int, default=2, help="documents shown per batch")
-    inspect.add_argument("--runner", default="threads",
-                         choices=["inline", "threads", "process"])
-    inspect.add_argument("--num-workers", type=int, default=2)
+    inspect.add_argument("--runner", default="threads", choices=runners,
+                         help="where the stages run (the output is the same with each)")
+    inspect.add_argument("--num-workers", type=int, default=2,
+                         help="threads or processes of the runner")
 
     commands.add_parser(
         "bench", add_help=False, help="run a benchmark of a source checkout "

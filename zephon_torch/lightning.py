@@ -74,9 +74,16 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from zephon_torch._extras import missing
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+except ModuleNotFoundError as exc:  # an extra: say which one
+    if (exc.name or "").split(".")[0] != "lightning":
+        raise
+    raise missing("lightning", "zephon_torch.lightning") from exc
 
 from zephon_torch.checkpoint import merge_states
 from zephon_torch.pipeline import Pipeline

@@ -1,4 +1,4 @@
-"""``shuffle``: per-lane shuffles whose randomness comes from the data itself.
+"""``shuffle``: shuffles whose randomness comes from the data itself.
 
 An RNG advanced once per call would tie the order to micro-batch boundaries,
 and those move on a restart (replay starts at a different point). Every
@@ -10,13 +10,26 @@ arrive. Each element gets a 64-bit *salt*::
     salt(e) = seed_key(DOMAIN, seed, chunk_id, chunk_offset, len(lineage), *lineage, *sample_id)
 
 (:func:`~zephon_torch.sources.permute.seed_key`, the splitmix64 fold; the
-lineage length keeps keys of different depths apart). Three algorithms use it:
+lineage length keeps keys of different depths apart).
+
+**One buffer, split over the lanes.** ``buffer_size`` is the pipeline's
+buffer: every lane shuffles on its own (a lane's order must not depend on
+which rank or worker runs it), and each lane gets the share
+:func:`lane_buffer_size` gives, ``size = ceil(buffer_size / num_lanes)`` with
+``num_lanes`` the source's (fixed for a run), so the lanes together hold about
+``buffer_size`` rows, whatever the world size or the worker count. Below, the
+"size" of a lane's reservoir or block is that share. (Until this rule, each
+lane held ``buffer_size`` rows, ``num_lanes`` times what was asked, and the
+first output waited for all of them; ``buffer_size * num_lanes`` gives that
+order again, but a state saved then is refused: see :data:`BUFFER_SPLIT`.)
+
+Three algorithms use the salts:
 
 ``"streaming"`` (default): a reservoir per lane. Until the lane holds
-``buffer_size`` elements, arrivals are kept. After that each arrival evicts the
-element at slot ``j = hash(salt(arrival), lane, n, buffer_size) mod buffer_size``,
+``size`` elements, arrivals are kept. After that each arrival evicts the
+element at slot ``j = hash(salt(arrival), lane, n, size) mod size``,
 where ``n`` counts the lane's evictions since its last flush, and takes its
-place. A flush drains the reservoir sorted by salt. With ``buffer_size=2``
+place. A flush drains the reservoir sorted by salt. With ``size=2``
 (slot numbers are whatever the hash gives; these are for illustration)::
 
     step  arrival  reservoir before  slot j  emitted  reservoir after
@@ -27,13 +40,14 @@ place. A flush drains the reservoir sorted by salt. With ``buffer_size=2``
     flush          [d, c]                    c, d     []      (salt(c) < salt(d))
 
 ``"block"``: a plain :class:`~zephon_torch.ops.accumulators.CountingAccumulator`
-cuts each lane into blocks of ``buffer_size``; the workers sort each block by
+cuts each lane into blocks of ``size``; the workers sort each block by
 ``(salt, cursor key)``, so a block's order is a pure function of its set of
 elements.
 
 ``"block_warmup"``: like ``"block"``, but a lane's blocks start small and
-double (``64, 128, ... buffer_size`` for the default size) so the first
-outputs arrive quickly; the schedule restarts after every flush of the lane.
+double (``first, 2 * first, ... size`` with ``first = min(64, size // 16)``,
+at least 1) so the first outputs arrive quickly; the schedule restarts after
+every flush of the lane.
 
 All state is per lane: a flush sentinel of one lane drains and resets that
 lane alone, and other lanes never see its elements.
@@ -54,10 +68,12 @@ from zephon_torch.sources.permute import mix64, seed_key
 from zephon_torch.types import CursorKey, SampleBatch
 
 __all__ = [
+    "BUFFER_SPLIT",
     "SHUFFLE_ALGORITHMS",
     "ReservoirShuffleAccumulator",
     "Shuffle",
     "WarmupBlockAccumulator",
+    "lane_buffer_size",
     "order_by_salt",
     "salt_of",
     "shuffle_prefix",
@@ -65,6 +81,14 @@ __all__ = [
 
 #: The accepted values of ``Shuffle(algorithm=...)``.
 SHUFFLE_ALGORITHMS = ("streaming", "block", "block_warmup")
+
+#: How ``buffer_size`` is shared among the lanes (:func:`lane_buffer_size`), as
+#: ``Shuffle.config()`` records it. Shuffles once gave every lane the whole
+#: ``buffer_size``; their config had no such entry, so the checkpoint
+#: fingerprint of a state saved then differs (``buffer_split added``) and the
+#: state is refused instead of resuming into another order. Change the text
+#: if the rule ever changes again.
+BUFFER_SPLIT = "ceil(buffer_size/num_lanes) per lane"
 
 # Keeps shuffle hashes apart from other users of seed_key with the same seed
 # (the sources fold (seed, pass, dataset, ...)): "shuffle" in ASCII.
@@ -123,6 +147,41 @@ def salt_of(prefix: int, elem: Element) -> int:
     """
     chunk_id, chunk_offset, lineage, sample_id = _cursor_key(elem)
     return _fold(prefix, (chunk_id, chunk_offset, len(lineage), *lineage, *sample_id))
+
+
+def lane_buffer_size(buffer_size: int, num_lanes: int) -> int:
+    """Each lane's share of a shuffle's buffer: ``ceil(buffer_size / num_lanes)`` rows.
+
+    It is the reservoir size of ``"streaming"`` and the (full) block size of
+    ``"block"`` and ``"block_warmup"``. ``num_lanes`` is the source's, never
+    the number of lanes a rank or worker runs, so the share, and with it
+    the output, is the same on any world size and worker count. The lanes
+    together hold ``num_lanes * share`` rows, at most ``buffer_size +
+    num_lanes - 1``.
+
+    Args:
+        buffer_size: The shuffle's ``buffer_size`` (positive).
+        num_lanes: The source's number of lanes (positive).
+
+    Returns:
+        The rows one lane holds, at least 2.
+
+    Raises:
+        ValueError: ``buffer_size <= num_lanes``: a share of one row, which
+            would not shuffle at all.
+    """
+    share = -(-buffer_size // num_lanes)
+    if share < 2:
+        lanes = "lane" if num_lanes == 1 else "lanes"
+        raise ValueError(
+            f"shuffle(buffer_size={buffer_size}) over {num_lanes} {lanes} gives each lane a "
+            f"buffer of 1 row, which does not shuffle at all: buffer_size is the pipeline's "
+            f"whole buffer, shared by the source's lanes (ceil({buffer_size} / {num_lanes}) = "
+            f"1 row per lane). Pass buffer_size >= {num_lanes + 1} (at least 2 rows per lane; "
+            "a good mix needs far more, the default is 8192), or build the source with fewer "
+            "lanes"
+        )
+    return share
 
 
 def block_salts(prefix: int, block: Block) -> np.ndarray:
@@ -237,7 +296,9 @@ class ReservoirShuffleAccumulator(Accumulator):
     """The accumulator of ``shuffle(algorithm="streaming")``: a reservoir per lane.
 
     Args:
-        buffer_size: Elements held per lane before arrivals start evicting.
+        buffer_size: Elements each lane holds before arrivals start evicting:
+            the lane's share of the shuffle's buffer (``Shuffle`` passes
+            :func:`lane_buffer_size`).
         seed: The shuffle seed.
 
     ``push_many`` returns, per lane that evicted anything during the call,
@@ -359,7 +420,8 @@ class WarmupBlockAccumulator(Accumulator):
     each block (see :func:`order_by_salt`).
 
     Args:
-        buffer_size: Size of the full blocks.
+        buffer_size: Size of a lane's full blocks: the lane's share of the
+            shuffle's buffer (``Shuffle`` passes :func:`lane_buffer_size`).
         first_block: Size of a lane's first block; by default
             ``min(64, buffer_size // 16)``, at least 1.
     """
@@ -441,10 +503,16 @@ class Shuffle(Operator):
     """Shuffle each lane with randomness derived from cursor keys and the seed.
 
     Args:
-        buffer_size: Reservoir size (``"streaming"``) or block size
-            (``"block"``, ``"block_warmup"``). Larger mixes further and holds
-            more in memory per lane. It defines the output, so it is a
-            parameter and not a micro-batch knob.
+        buffer_size: The pipeline's shuffle buffer, in rows (elements), over
+            all lanes: each lane's reservoir (``"streaming"``) or block
+            (``"block"``, ``"block_warmup"``) holds ``ceil(buffer_size /
+            num_lanes)`` of them (:func:`lane_buffer_size`; ``num_lanes`` is
+            the source's). Larger mixes further and holds more in memory:
+            about ``buffer_size`` rows in all, each rank holding its lanes'
+            shares. It defines the output, so it is a parameter and not a
+            micro-batch knob. (Changed meaning: it was the size of *each*
+            lane's buffer; ``buffer_size * num_lanes`` gives that order
+            again, and states saved before are refused.)
         seed: Shuffle seed; different seeds give different orders. It is the
             operator's own: the pipeline seed does not enter the shuffle.
         algorithm: ``"streaming"``, ``"block"`` or ``"block_warmup"`` (see the
@@ -452,7 +520,9 @@ class Shuffle(Operator):
 
     Raises:
         ValueError: ``buffer_size`` is not a positive integer, ``seed`` is not
-            an integer, or ``algorithm`` is unknown.
+            an integer, or ``algorithm`` is unknown; ``buffer_size <=
+            num_lanes`` (one row per lane does not shuffle), when the run
+            starts (``Pipeline.shuffle`` checks it at once).
     """
 
     name = "shuffle"
@@ -491,16 +561,24 @@ class Shuffle(Operator):
         return copy
 
     def accumulator(self, *, deterministic: bool, ctx: OpContext) -> Accumulator:
-        """Return the algorithm's accumulator.
+        """Return the algorithm's accumulator, sized by :meth:`lane_buffer_size`.
 
         ``ctx.microbatch_size`` is ignored: the buffer size defines the output.
         No accumulator here has a latency bound, whatever ``deterministic``.
+
+        Raises:
+            ValueError: ``buffer_size <= ctx.num_lanes`` (see :func:`lane_buffer_size`).
         """
+        size = self.lane_buffer_size(ctx.num_lanes)
         if self.algorithm == "streaming":
-            return ReservoirShuffleAccumulator(self.buffer_size, seed=self._run_seed)
+            return ReservoirShuffleAccumulator(size, seed=self._run_seed)
         if self.algorithm == "block":
-            return CountingAccumulator(self.buffer_size)
-        return WarmupBlockAccumulator(self.buffer_size)
+            return CountingAccumulator(size)
+        return WarmupBlockAccumulator(size)
+
+    def lane_buffer_size(self, num_lanes: int) -> int:
+        """Rows each lane holds over a source of ``num_lanes`` lanes (:func:`lane_buffer_size`)."""
+        return lane_buffer_size(self.buffer_size, num_lanes)
 
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
         """Shuffle one block (block algorithms); pass through for ``"streaming"``."""
@@ -524,9 +602,19 @@ class Shuffle(Operator):
         return OpTraits(preserves_cursor_order=False, inline=self.algorithm == "streaming")
 
     def config(self) -> dict[str, Any]:
-        """The parameters that define the output."""
+        """The parameters that define the output, and the rule that splits the buffer.
+
+        ``buffer_split`` (:data:`BUFFER_SPLIT`) is no parameter: it records
+        what ``buffer_size`` means, so that a state saved while it meant
+        something else fails the fingerprint check.
+        """
         return {**super().config(), "buffer_size": self.buffer_size, "seed": self.seed,
-                "algorithm": self.algorithm}
+                "algorithm": self.algorithm, "buffer_split": BUFFER_SPLIT}
+
+    def __repr__(self) -> str:
+        # The constructor's arguments only: buffer_split is no argument.
+        return (f"Shuffle(buffer_size={self.buffer_size!r}, seed={self.seed!r}, "
+                f"algorithm={self.algorithm!r})")
 
 
 def _check_buffer_size(buffer_size: Any) -> None:

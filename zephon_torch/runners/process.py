@@ -75,6 +75,7 @@ from collections.abc import Sequence
 from multiprocessing import connection as mp_connection
 from typing import Any
 
+from zephon_torch._main_guard import unguarded_start
 from zephon_torch.logs import logger
 from zephon_torch.ops.base import OpContext, Operator
 from zephon_torch.runners import shm, wire
@@ -262,6 +263,9 @@ class _Supervisor:
         self.bytes_read = 0
         self._rr = 0
         self._wake_r, self._wake_w = os.pipe()
+        # Started by unguarded top-level code of the main script, the workers die on start-up
+        # (each re-runs the script): say so if they do. In such a worker, this stops it.
+        self.unguarded = unguarded_start()
         try:
             for slot in range(num_workers):
                 self.workers[slot] = self._start(slot)
@@ -474,8 +478,9 @@ class _Supervisor:
                     error = RuntimeError(
                         f"zephon worker processes keep dying before they are ready: worker "
                         f"{worker.slot} (pid {process.pid}) {how}, {self.startup_deaths} "
-                        "start-ups in a row; a crash while unpickling an operator or in its "
-                        "setup()?"
+                        "start-ups in a row; "
+                        + (self.unguarded or "a crash while unpickling an operator or in "
+                           "its setup()?")
                     )
                     self._break(error, tasks)
                     return

@@ -47,6 +47,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from zephon_torch._extras import require
 from zephon_torch.sources.base import Dataset, Shard, count_read
 from zephon_torch.sources.index_cache import (
     IndexInfo,
@@ -383,7 +384,7 @@ class JsonlDataset(_FileDataset):
         for shard_id, (path, shard_name) in enumerate(zip(files, _shard_names(files))):
             compression = _compression_of(path)
             if compression == "zstd":
-                _require("zstandard", "read .zst files")
+                require("zstandard", "reading .zst files")
             stat = stat_file(path)
             edges = _edges(path, stat.size)
             kind = f"lines.{compression or 'plain'}"
@@ -636,16 +637,6 @@ class JsonlDataset(_FileDataset):
 # ---------------------------------------------------------------- parquet
 
 
-def _require(module: str, why: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"{module} is needed to {why}; install it with "
-                          f"`pip install {module}`") from exc
-
-
 def _parquet_signature(path: str) -> tuple[int, str]:
     """Size and content digest of a Parquet file: its first and last 4 KiB and its footer.
 
@@ -670,7 +661,7 @@ class _ParquetHandle:
     """An open ``ParquetFile`` and, for URLs, the file object under it."""
 
     def __init__(self, path: str) -> None:
-        pq = _require("pyarrow.parquet", "read Parquet files")
+        pq = require("pyarrow.parquet", "reading Parquet files")
         self._raw = open_binary(path) if is_url(path) else None
         self.file = pq.ParquetFile(self._raw if self._raw is not None else path)
 
@@ -867,7 +858,7 @@ class ParquetDataset(_FileDataset):
                  on_error: OnError = "raise") -> None:
         self._init_options(component_id=component_id, name=name, passes=passes,
                            on_error=on_error)
-        pq = _require("pyarrow.parquet", "read Parquet files")
+        pq = require("pyarrow.parquet", "reading Parquet files")
         if isinstance(columns, str):
             columns = [columns]
         if columns is not None:

@@ -67,6 +67,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from zephon_torch._extras import require
 from zephon_torch.sources.base import count_read
 
 __all__ = [
@@ -105,7 +106,7 @@ def is_url(path: str) -> bool:
 
 
 def _url_fs(url: str) -> tuple[Any, str]:
-    import fsspec  # only URLs need it
+    fsspec = require("fsspec", f"reading the URL {url!r}")  # only URLs need it
 
     return fsspec.core.url_to_fs(url)
 
@@ -633,7 +634,7 @@ def iter_decompressed(file: BinaryIO, compression: str | None, *,
         yield from _iter_members(file, block_size, lambda: zlib.decompressobj(wbits=31),
                                  zlib.error)
     elif compression == "zstd":
-        import zstandard
+        zstandard = require("zstandard", "reading .zst files")
 
         dctx = zstandard.ZstdDecompressor()
         yield from _iter_members(file, block_size, dctx.decompressobj, zstandard.ZstdError)

@@ -26,7 +26,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchdata.nodes import BaseNode
+from zephon_torch._extras import missing
+
+try:
+    from torchdata.nodes import BaseNode
+except ModuleNotFoundError as exc:  # an extra: say which one
+    if (exc.name or "").split(".")[0] != "torchdata":
+        raise
+    raise missing("torchdata", "zephon_torch.torch.PipelineNode") from exc
 
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.torch.dataset import LiveIterator, checked_pipeline, is_pipeline_state

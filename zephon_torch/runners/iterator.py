@@ -20,9 +20,11 @@ through ``resume.py``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,9 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon_torch.accounting import Accounting
+from zephon_torch import logs
+from zephon_torch.accounting import Accounting, Throughput
 from zephon_torch.block import Block, Sentinel
 from zephon_torch.checkpoint import ReplayFilter, fingerprint_parts, refuse_nondeterministic
+from zephon_torch.epochs import check_epoch, check_state_epoch, epoch_pipeline
+from zephon_torch.logs import log_end, log_resume, log_skips, log_start, log_throughput
 from zephon_torch.runners import resume
 from zephon_torch.runners.assembly import (
     make_engine,
@@ -87,6 +92,11 @@ class PipelineIterator:
         task_timeout: With ``runner="process"``: seconds one micro-batch may
             run in a worker before the worker is killed and the micro-batch
             sent again (None: no limit); see ``ProcessPool``.
+        epoch: The epoch to run (``zephon_torch.epochs``): a new, reproducible
+            order per epoch, derived from the seeds and the epoch; 0 is the
+            pipeline's order as ever. ``None`` (default): 0, or the epoch of
+            the state :meth:`load_state_dict` loads; an explicit epoch refuses
+            a state of another epoch.
     """
 
     def __init__(
@@ -102,6 +112,7 @@ class PipelineIterator:
         lanes: Sequence[int] | None = None,
         verify: bool = False,
         task_timeout: float | None = None,
+        epoch: int | None = None,
     ) -> None:
         if runner not in _RUNNERS:
             raise ValueError(f"unknown runner {runner!r}; use one of {list(_RUNNERS)}")
@@ -133,21 +144,10 @@ class PipelineIterator:
         self._closed = False
         self._pool: Pool | None = None
         self._ray_pool: Pool | None = None
-
-        self.schedule = WorkSchedule(
-            src.datasets, chunk_size=src.chunk_size, num_lanes=src.num_lanes, seed=src.seed,
-            passes=src.passes, shuffle=src.shuffle, weights=src.weights,
-            exhausted=src.exhausted,
-        )
-        self._compiled = pipeline.compile(microbatch_sizes)
-        self.stage_names = [c.name for c in self._compiled]
-        self._ctxs = stage_contexts(src, self.schedule, self._compiled, lanes=self.lanes,
-                                    rank=self.rank, world_size=self.world_size, runner=runner)
-        # Stages placed on Ray: their own pool; the local pool gets a stand-in for each.
-        self._remote = remote_stages(self._compiled)
-        self._pool, self._ray_pool = make_pools(
-            self._compiled, self._ctxs, self._remote, runner=runner, num_workers=num_workers,
-            task_timeout=task_timeout)
+        # The epoch asked for (None: 0 until a loaded state says otherwise).
+        self._epoch_asked = None if epoch is None else check_epoch(epoch)
+        self._microbatch_sizes = microbatch_sizes
+        self._prepare(self._epoch_asked or 0)
         self.flush_every = pipeline.flush_every()
         self._fingerprint = pipeline.fingerprint()
         self._stage_names = pipeline.stage_names()
@@ -168,12 +168,39 @@ class PipelineIterator:
         self._started = False
         self._loaded: Mapping[str, Any] = {"lanes": {}}
         self._build()
+        log_start(self)
+
+    def _prepare(self, epoch: int) -> None:
+        """The epoch's schedule, compiled stages, contexts and pools (closing older pools)."""
+        for pool in (self._ray_pool, self._pool):
+            if pool is not None:
+                pool.close()
+        self._pool = self._ray_pool = None
+        self.epoch = epoch
+        run = epoch_pipeline(self.pipeline, epoch)  # the seeds of this epoch
+        src = run.source
+        self.schedule = WorkSchedule(
+            src.datasets, chunk_size=src.chunk_size, num_lanes=src.num_lanes, seed=src.seed,
+            passes=src.passes, shuffle=src.shuffle, weights=src.weights,
+            exhausted=src.exhausted,
+        )
+        self._compiled = run.compile(self._microbatch_sizes)
+        self.stage_names = [c.name for c in self._compiled]
+        self._ctxs = stage_contexts(src, self.schedule, self._compiled, lanes=self.lanes,
+                                    rank=self.rank, world_size=self.world_size,
+                                    runner=self.runner)
+        # Stages placed on Ray: their own pool; the local pool gets a stand-in for each.
+        self._remote = remote_stages(self._compiled)
+        self._pool, self._ray_pool = make_pools(
+            self._compiled, self._ctxs, self._remote, runner=self.runner,
+            num_workers=self.num_workers, task_timeout=self.task_timeout)
 
     def _build(self, state: Mapping[str, Any] | None = None) -> None:
         """(Re)create the run: the books, accumulators, source and engine (``state``: a
         checked state to resume)."""
         self.accounting = Accounting(self.lanes, self.flush_every, self._datasets,
                                      verify=self.verify)
+        self._pace = Throughput(self.accounting, logs.THROUGHPUT_INTERVAL)
         # Bytes read from storage since this run started: on this thread (source and
         # local stages, counted around each pump) and by the pools' own workers.
         self._driver_bytes = 0
@@ -193,6 +220,7 @@ class PipelineIterator:
             plan = resume.plan_resume(
                 state, lanes=self.lanes, num_lanes=self.pipeline.source.num_lanes,
                 accounting=self.accounting, replay_targets=replay_filter.targets)
+            self._pace = Throughput(self.accounting, logs.THROUGHPUT_INTERVAL)  # from here
             self._rr = plan.round_robin
         self.stages = make_stages(
             self._compiled, self._ctxs, remote=self._remote, pool=self._pool,
@@ -263,6 +291,8 @@ class PipelineIterator:
                         from zephon_torch.checks import assert_conserved
 
                         assert_conserved(self)
+                    if logs.logger.isEnabledFor(logging.INFO):
+                        log_end(self, self.stats())
                     raise StopIteration
                 lane = lanes[self._rr]
                 queue = queues[lane]
@@ -319,6 +349,7 @@ class PipelineIterator:
 
     def _pump(self) -> bool:
         before = thread_bytes_read()
+        began = time.monotonic()
         try:
             alive = self.engine.pump()
         except BaseException:
@@ -326,6 +357,12 @@ class PipelineIterator:
             raise
         finally:
             self._driver_bytes += thread_bytes_read() - before
+        ended = time.monotonic()
+        pace = self._pace
+        pace.pumped(began, ended)
+        if pace.due(ended) and logs.logger.isEnabledFor(logging.INFO):
+            self._settle_all()
+            log_throughput(self, pace.recent(ended))
         outputs = self.engine.outputs
         queues = self._queues
         while outputs:
@@ -428,7 +465,7 @@ class PipelineIterator:
             round_robin = {"lanes": list(self.lanes), "index": self._rr}
         return resume.make_state(deterministic=True, parts=self._parts(),
                                  num_lanes=self.pipeline.source.num_lanes, lanes=lanes,
-                                 round_robin=round_robin)
+                                 round_robin=round_robin, epoch=self.epoch)
 
     def state_for_snapshot(self) -> dict[str, Any]:
         """:meth:`state_dict`, or under ``deterministic=False`` a state that refuses to load.
@@ -454,7 +491,7 @@ class PipelineIterator:
             )
         return resume.make_state(deterministic=False, parts=self._parts(),
                                  num_lanes=self.pipeline.source.num_lanes, lanes={},
-                                 round_robin=None)
+                                 round_robin=None, epoch=self.epoch)
 
     def _parts(self) -> dict[str, str]:
         """The fingerprint's parts, as states carry them (a fresh copy each time)."""
@@ -467,6 +504,8 @@ class PipelineIterator:
 
         ``state`` may be one rank's state or a :func:`merge_states` global one;
         this iterator takes its own lanes from it, whatever the world size.
+        The state's epoch becomes this iterator's (an iterator made with an
+        explicit ``epoch=`` of another epoch refuses it).
         """
         with self._lock:  # not while another thread takes a state
             if self._started:
@@ -478,10 +517,15 @@ class PipelineIterator:
                 state, fingerprint=self._fingerprint, stage_names=self._stage_names,
                 deterministic=self.deterministic, num_lanes=self.pipeline.source.num_lanes,
                 lanes=self.lanes)
+            epoch, previous = check_state_epoch(state, self._epoch_asked), self.epoch
+            if epoch != previous:  # the state's epoch: its seeds, its pools
+                self._prepare(epoch)
             try:
                 self._build(state)
             except Exception as exc:
                 # Never half-loaded: whatever went wrong, the iterator starts afresh.
+                if self.epoch != previous:
+                    self._prepare(previous)
                 self._build()
                 raise ValueError(
                     f"corrupted state: it passed its checks but cannot be resumed "
@@ -489,6 +533,8 @@ class PipelineIterator:
                     "from the beginning; resume from another checkpoint"
                 ) from exc
             self._loaded = state
+            log_resume(self, sum(len(state["lanes"][str(lane)]["window"])
+                                 for lane in self.lanes))
 
     @property
     def started(self) -> bool:
@@ -531,7 +577,23 @@ class PipelineIterator:
             report["stages"] = {stage.name: dict(stage.counters) for stage in self.stages}
             report["replayed_samples"] = self.emitter.replayed
             report["replayed_by_lane"] = dict(replayed)
+            report["throughput"] = self._pace.report()
+            report.update(self._describe())
         return report
+
+    def _describe(self) -> dict[str, Any]:
+        """What this iterator runs, for ``stats()``: epoch, runner, topology."""
+        return {
+            "epoch": self.epoch,
+            "runner": self.runner,
+            "num_workers": self.num_workers,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_lanes": self.pipeline.source.num_lanes,
+            "owned_lanes": list(self.lanes),
+            "outputs": sum(book.outputs for book in self.accounting.lanes.values()),
+            "finished": len(self._ended) == len(self.lanes),
+        }
 
     def _pool_bytes_now(self) -> list[int | None]:
         return [pool.bytes_read() if pool is not None else 0
@@ -559,13 +621,14 @@ class PipelineIterator:
             f"{d['where']} ({d['reason']}{': ' + d['detail'] if d['detail'] else ''})"
             for d in books.bad_samples(_WARN_EXAMPLES)
         )
-        warnings.warn(
+        message = (
             f"zephon_torch: on_error='skip' turned {books.bad_total} bad sample(s) of "
             f"lanes {self.lanes} into tombstones ({counts}); first: {first}. They are counted "
             "in stats()['lanes'][lane]['tombstoned']; fix the data or use on_error='raise' to "
-            "stop at the first one",
-            RuntimeWarning, stacklevel=2,
+            "stop at the first one"
         )
+        log_skips(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ lifetime
 

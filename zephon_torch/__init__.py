@@ -5,6 +5,8 @@ and the standard library only; torch, torchdata, Lightning and Ray are imported
 by the integration modules that need them, when they are used.
 """
 
+import logging as _logging
+
 from zephon_torch import _torch_hook, sources
 from zephon_torch.ops.placement import Remote
 from zephon_torch.pipeline import Pipeline
@@ -41,6 +43,9 @@ def __getattr__(name: str) -> object:
         globals()[name] = DataLoader  # later lookups (and pdoc) find it in the namespace
         return DataLoader
     raise AttributeError(f"module 'zephon_torch' has no attribute {name!r}")
+
+# A library's logger stays quiet until the application configures logging.
+_logging.getLogger("zephon_torch").addHandler(_logging.NullHandler())
 
 # A pipeline passes isinstance(pipe, torch.utils.data.IterableDataset) once torch is
 # imported, without this package importing torch (see _torch_hook.py).

@@ -858,6 +858,12 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for key in ("version", "fingerprint", "num_lanes"):
             if state.get(key) != first.get(key):
                 raise ValueError(f"merge_states: state {i} has a different {key!r}")
+        if state.get("epoch", 0) != first.get("epoch", 0):
+            raise ValueError(
+                f"merge_states: state {i} was saved in epoch {state.get('epoch', 0)!r}, state 0 "
+                f"in epoch {first.get('epoch', 0)!r}; merge the states of one checkpoint (all "
+                "ranks save in the same epoch)"
+            )
         problem = _lane_key_problem(state["lanes"]) if isinstance(state.get("lanes"),
                                                                    Mapping) else None
         if problem:
@@ -873,6 +879,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "deterministic": True,  # _check_mode refused any other
         "fingerprint": first["fingerprint"],
         "num_lanes": first["num_lanes"],
+        "epoch": first.get("epoch", 0),
         "lanes": dict(sorted(lanes.items(), key=lambda kv: int(kv[0]))),
         "round_robin": None,  # a merged state has no single rank's position
     }

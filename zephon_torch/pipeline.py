@@ -1064,6 +1064,7 @@ class Pipeline:
         lanes: Sequence[int] | None = None,
         verify: bool = False,
         task_timeout: float | None = None,
+        epoch: int | None = None,
     ) -> PipelineIterator:
         """Run the pipeline: an iterator of its output with ``state_dict()``/``load_state_dict()``.
 
@@ -1097,6 +1098,11 @@ class Pipeline:
             task_timeout: With ``runner="process"``: seconds one micro-batch
                 may run before its worker is killed and the micro-batch sent
                 again, so that a hang ends in an error (``None``: no limit).
+            epoch: The epoch to run: a new, reproducible order per epoch,
+                derived from the seeds and the epoch (``0`` is the order as
+                ever). ``None`` (the default): 0, or the epoch of a state
+                loaded with ``load_state_dict``; an explicit epoch refuses a
+                state of another epoch. See ``zephon_torch.epochs``.
 
         Returns:
             A :class:`~zephon_torch.runners.iterator.PipelineIterator`.
@@ -1110,8 +1116,24 @@ class Pipeline:
         return PipelineIterator(
             self, runner=runner, num_workers=num_workers, deterministic=deterministic,
             rank=rank, world_size=world_size, microbatch_sizes=microbatch_sizes, lanes=lanes,
-            verify=verify, task_timeout=task_timeout,
+            verify=verify, task_timeout=task_timeout, epoch=epoch,
         )
+
+    def num_batches(self, *, rank: int | None = None, world_size: int | None = None,
+                    lanes: Sequence[int] | None = None) -> int | None:
+        """How many items one pass yields to a rank, when known without reading the data.
+
+        Items are batches when the chain ends in ``batch``, else records.
+        The count is exact or ``None`` (an upper bound would make a training
+        loop wait for batches that never come): exact for finite sources that
+        cannot make tombstones followed only by ``fetch``, ``tokenize``,
+        ``shuffle``, a final ``batch`` (and ``decode_text`` over in-memory
+        items); see ``zephon_torch.length``, whose ``unknown_reason`` says why
+        a count is ``None``. The same in every epoch.
+        """
+        from zephon_torch.length import num_batches
+
+        return num_batches(self, rank=rank, world_size=world_size, lanes=lanes)
 
     def to_torch_dataset(self, **iter_kwargs: Any) -> TorchIterableDataset:
         """This pipeline as a torch ``IterableDataset`` with ``state_dict``/``load_state_dict``.

@@ -91,7 +91,8 @@ class OpContext:
         lanes: The lanes this iterator owns, ascending.
         rank: This consumer's rank.
         world_size: Number of ranks.
-        seed: The pipeline's seed.
+        seed: The pipeline's seed for this run: the seed itself in epoch 0,
+            derived from it and the epoch otherwise (``zephon_torch.epochs``).
         stage_index: Position of the stage in the compiled plan.
         stage_name: The stage's name (``"tokenize"``, ``"map_transform_2"``).
         microbatch_size: The micro-batch size chosen for this stage (the
@@ -127,6 +128,17 @@ class Operator:
 
     def setup(self, ctx: OpContext) -> None:
         """Run once per process before any data arrives (load models, open files)."""
+
+    def for_epoch(self, epoch: int) -> Operator:
+        """The operator that runs in ``epoch`` (see ``zephon_torch.epochs``).
+
+        The default is the operator itself. One with randomness of its own
+        returns a copy whose randomness folds in the epoch (``shuffle`` does),
+        with the same :meth:`config`; epoch 0 must behave exactly as the
+        operator itself. An operator that takes its randomness from
+        ``ctx.seed`` needs nothing: the context carries the epoch's seed.
+        """
+        return self
 
     def accumulator(self, *, deterministic: bool, ctx: OpContext) -> Accumulator:
         """Return a fresh accumulator that cuts the input into micro-batches.

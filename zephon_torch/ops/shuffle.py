@@ -55,6 +55,7 @@ lane alone, and other lanes never see its elements.
 
 from __future__ import annotations
 
+import copy as _copy
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -539,7 +540,25 @@ class Shuffle(Operator):
         self.buffer_size = buffer_size
         self.seed = seed
         self.algorithm = algorithm
+        # The seed this copy shuffles with: ``seed`` in epoch 0, else derived (for_epoch).
+        self._run_seed = seed
         self._prefix = shuffle_prefix(seed)
+
+    def for_epoch(self, epoch: int) -> Shuffle:
+        """A copy that shuffles with :func:`~zephon_torch.epochs.epoch_seed` of the seed.
+
+        Its config (and so the fingerprint) is the same: the epoch travels in
+        states on its own. Epoch 0 returns the operator itself.
+        """
+        from zephon_torch.epochs import epoch_seed
+
+        run_seed = epoch_seed(self.seed, epoch)
+        if run_seed == self._run_seed:
+            return self
+        copy = _copy.copy(self)
+        copy._run_seed = run_seed
+        copy._prefix = shuffle_prefix(run_seed)
+        return copy
 
     def accumulator(self, *, deterministic: bool, ctx: OpContext) -> Accumulator:
         """Return the algorithm's accumulator, sized by :meth:`lane_buffer_size`.
@@ -552,7 +571,7 @@ class Shuffle(Operator):
         """
         size = self.lane_buffer_size(ctx.num_lanes)
         if self.algorithm == "streaming":
-            return ReservoirShuffleAccumulator(size, seed=self.seed)
+            return ReservoirShuffleAccumulator(size, seed=self._run_seed)
         if self.algorithm == "block":
             return CountingAccumulator(size)
         return WarmupBlockAccumulator(size)

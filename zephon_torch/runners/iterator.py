@@ -25,9 +25,11 @@ engine; everything here stays the same (see ``lanes.py``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,9 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon_torch.accounting import Accounting
+from zephon_torch import logs
+from zephon_torch.accounting import Accounting, Throughput
 from zephon_torch.block import Block, Sentinel
 from zephon_torch.checkpoint import fingerprint_parts, refuse_nondeterministic
+from zephon_torch.epochs import check_epoch, check_state_epoch, epoch_pipeline
+from zephon_torch.logs import log_end, log_resume, log_skips, log_start, log_throughput
 from zephon_torch.runners import resume
 from zephon_torch.runners.assembly import (
     make_pools,
@@ -64,7 +69,7 @@ __all__ = ["ITER_KWARGS", "RUNNERS", "PipelineIterator", "resolve_topology"]
 RUNNERS = ("inline", "threads", "process", "lanes")
 #: The keyword arguments of ``Pipeline.iter`` (the torch wrappers check theirs against it).
 ITER_KWARGS = ("runner", "num_workers", "deterministic", "rank", "world_size",
-               "microbatch_sizes", "lanes", "verify", "task_timeout")
+               "microbatch_sizes", "lanes", "verify", "task_timeout", "epoch")
 #: Records handed over between two settlements of a lane's accounting.
 _SETTLE_EVERY = 256
 #: Bad samples named in the skip warning.
@@ -99,6 +104,11 @@ class PipelineIterator:
         task_timeout: With ``runner="process"``: seconds one micro-batch may
             run in a worker before the worker is killed and the micro-batch
             sent again (None: no limit); see ``ProcessPool``.
+        epoch: The epoch to run (``zephon_torch.epochs``): a new, reproducible
+            order per epoch, derived from the seeds and the epoch; 0 is the
+            pipeline's order as ever. ``None`` (default): 0, or the epoch of
+            the state :meth:`load_state_dict` loads; an explicit epoch refuses
+            a state of another epoch.
         finish: With ``runner="lanes"``: called in the lane worker on each
             batch; the caller then receives a
             :class:`~zephon_torch.runners.lanes.Finished` (``zephon_torch.DataLoader``
@@ -122,6 +132,7 @@ class PipelineIterator:
         task_timeout: float | None = None,
         finish: Callable[[SampleBatch], Any] | None = None,
         prefetch: int | None = None,
+        epoch: int | None = None,
     ) -> None:
         if runner not in RUNNERS:
             raise ValueError(f"unknown runner {runner!r}; use one of {list(RUNNERS)}")
@@ -165,26 +176,9 @@ class PipelineIterator:
         self._pool: Pool | None = None
         self._ray_pool: Pool | None = None
 
-        self.schedule = make_schedule(src)
-        self._compiled = pipeline.compile(microbatch_sizes)
-        self.stage_names = [c.name for c in self._compiled]
-        # Stages placed on Ray: their own pool; the local pool gets a stand-in for each.
-        self._remote = remote_stages(self._compiled)
-        if runner == "lanes":
-            if self._remote:
-                raise ValueError(
-                    f"runner='lanes' runs every stage in the lane workers, but stage(s) "
-                    f"{[self.stage_names[i] for i in self._remote]} are placed on Ray "
-                    "(placement='remote'); use runner='threads' or 'process' for them"
-                )
-            self._ctxs: list[Any] = []  # the workers make their own
-        else:
-            self._ctxs = stage_contexts(src, self.schedule, self._compiled, lanes=self.lanes,
-                                        rank=self.rank, world_size=self.world_size,
-                                        runner=runner)
-            self._pool, self._ray_pool = make_pools(
-                self._compiled, self._ctxs, self._remote, runner=runner,
-                num_workers=self.num_workers, task_timeout=task_timeout)
+        # The epoch asked for (None: 0 until a loaded state says otherwise).
+        self._epoch_asked = None if epoch is None else check_epoch(epoch)
+        self._prepare(self._epoch_asked or 0)
         self.flush_every = pipeline.flush_every()
         self._fingerprint = pipeline.fingerprint()
         self._stage_names = pipeline.stage_names()
@@ -208,12 +202,45 @@ class PipelineIterator:
         # narrowed to our lanes, is the position (see state_dict).
         self._at_loaded = False
         self._build()
+        log_start(self)
+
+    def _prepare(self, epoch: int) -> None:
+        """The epoch's schedule, compiled stages, contexts and pools (closing older pools)."""
+        for pool in (self._ray_pool, self._pool):
+            if pool is not None:
+                pool.close()
+        self._pool = self._ray_pool = None
+        self.epoch = epoch
+        run = epoch_pipeline(self.pipeline, epoch)  # the seeds of this epoch
+        self._epoch_run = run  # what lane workers run
+        src = run.source
+        self.schedule = make_schedule(src)
+        self._compiled = run.compile(self._microbatch_sizes)
+        self.stage_names = [c.name for c in self._compiled]
+        # Stages placed on Ray: their own pool; the local pool gets a stand-in for each.
+        self._remote = remote_stages(self._compiled)
+        if self.runner == "lanes":
+            if self._remote:
+                raise ValueError(
+                    f"runner='lanes' runs every stage in the lane workers, but stage(s) "
+                    f"{[self.stage_names[i] for i in self._remote]} are placed on Ray "
+                    "(placement='remote'); use runner='threads' or 'process' for them"
+                )
+            self._ctxs: list[Any] = []  # the workers make their own
+            return
+        self._ctxs = stage_contexts(src, self.schedule, self._compiled, lanes=self.lanes,
+                                    rank=self.rank, world_size=self.world_size,
+                                    runner=self.runner)
+        self._pool, self._ray_pool = make_pools(
+            self._compiled, self._ctxs, self._remote, runner=self.runner,
+            num_workers=self.num_workers, task_timeout=self.task_timeout)
 
     def _build(self, state: Mapping[str, Any] | None = None) -> None:
         """(Re)create the run: the books, accumulators, source and engine (``state``: a
         checked state to resume)."""
         self.accounting = Accounting(self.lanes, self.flush_every, self._datasets,
                                      verify=self.verify)
+        self._pace = Throughput(self.accounting, logs.THROUGHPUT_INTERVAL)
         # Bytes read from storage since this run started: on this thread (source and
         # local stages, counted around each pump) and by the pools' own workers.
         self._driver_bytes = 0
@@ -232,6 +259,7 @@ class PipelineIterator:
             plan = resume.plan_resume(
                 state, lanes=self.lanes, num_lanes=src.num_lanes,
                 accounting=self.accounting, replay_targets=targets)
+            self._pace = Throughput(self.accounting, logs.THROUGHPUT_INTERVAL)  # from here
             self._rr = plan.round_robin
         if self.runner == "lanes":
             self._build_lanes(state, plan, targets)
@@ -251,6 +279,9 @@ class PipelineIterator:
     def _build_lanes(self, state: Mapping[str, Any] | None, plan: resume.ResumePlan | None,
                      targets: dict[int, tuple[tuple, int, int]]) -> None:
         """The run of ``runner="lanes"``: lane workers instead of stages and an emitter."""
+        previous = getattr(self, "engine", None)
+        if previous is not None:  # a load after start(): those workers ran the old position
+            previous.close()
         view = resume.ScheduleView(self.schedule, None if plan is None else plan.start,
                                    () if plan is None else plan.replay,
                                    ended=plan is not None and plan.start is None)
@@ -259,7 +290,7 @@ class PipelineIterator:
             view.registered(chunk)
             self._on_chunk(chunk)
 
-        jobs = [LaneJob(pipeline=self.pipeline, lanes=tuple(share), rank=self.rank,
+        jobs = [LaneJob(pipeline=self._epoch_run, lanes=tuple(share), rank=self.rank,
                         world_size=self.world_size, microbatch_sizes=self._microbatch_sizes,
                         deterministic=self.deterministic, state=state, finish=self._finish)
                 for share in self._shares]
@@ -338,6 +369,8 @@ class PipelineIterator:
                         from zephon_torch.checks import assert_conserved
 
                         assert_conserved(self)
+                    if logs.logger.isEnabledFor(logging.INFO):
+                        log_end(self, self.stats())
                     raise StopIteration
                 lane = lanes[self._rr]
                 queue = queues[lane]
@@ -403,6 +436,7 @@ class PipelineIterator:
         """Advance the engine until some output is ready (under ``runner="lanes"``: the
         next message of ``lane``'s worker); False once it has ended."""
         before = thread_bytes_read()
+        began = time.monotonic()
         try:
             alive = self.engine.pump(lane) if self.runner == "lanes" else self.engine.pump()
         except BaseException:
@@ -410,6 +444,12 @@ class PipelineIterator:
             raise
         finally:
             self._driver_bytes += thread_bytes_read() - before
+        ended = time.monotonic()
+        pace = self._pace
+        pace.pumped(began, ended)
+        if pace.due(ended) and logs.logger.isEnabledFor(logging.INFO):
+            self._settle_all()
+            log_throughput(self, pace.recent(ended))
         outputs = self.engine.outputs
         queues = self._queues
         while outputs:
@@ -513,7 +553,7 @@ class PipelineIterator:
             round_robin = {"lanes": list(self.lanes), "index": self._rr}
         return resume.make_state(deterministic=True, parts=self._parts(),
                                  num_lanes=self.pipeline.source.num_lanes, lanes=lanes,
-                                 round_robin=round_robin)
+                                 round_robin=round_robin, epoch=self.epoch)
 
     def state_for_snapshot(self) -> dict[str, Any]:
         """:meth:`state_dict`, or under ``deterministic=False`` a state that refuses to load.
@@ -539,7 +579,7 @@ class PipelineIterator:
             )
         return resume.make_state(deterministic=False, parts=self._parts(),
                                  num_lanes=self.pipeline.source.num_lanes, lanes={},
-                                 round_robin=None)
+                                 round_robin=None, epoch=self.epoch)
 
     def _parts(self) -> dict[str, str]:
         """The fingerprint's parts, as states carry them (a fresh copy each time)."""
@@ -552,6 +592,8 @@ class PipelineIterator:
 
         ``state`` may be one rank's state or a :func:`merge_states` global one;
         this iterator takes its own lanes from it, whatever the world size.
+        The state's epoch becomes this iterator's (an iterator made with an
+        explicit ``epoch=`` of another epoch refuses it).
         """
         with self._lock:  # not while another thread takes a state
             if self._started:
@@ -563,10 +605,15 @@ class PipelineIterator:
                 state, fingerprint=self._fingerprint, stage_names=self._stage_names,
                 deterministic=self.deterministic, num_lanes=self.pipeline.source.num_lanes,
                 lanes=self.lanes)
+            epoch, previous = check_state_epoch(state, self._epoch_asked), self.epoch
+            if epoch != previous:  # the state's epoch: its seeds, its pools
+                self._prepare(epoch)
             try:
                 self._build(state)
             except Exception as exc:
                 # Never half-loaded: whatever went wrong, the iterator starts afresh.
+                if self.epoch != previous:
+                    self._prepare(previous)
                 self._build()
                 raise ValueError(
                     f"corrupted state: it passed its checks but cannot be resumed "
@@ -575,6 +622,8 @@ class PipelineIterator:
                 ) from exc
             self._loaded = state
             self._at_loaded = True
+            log_resume(self, sum(len(state["lanes"][str(lane)]["window"])
+                                 for lane in self.lanes))
 
     @property
     def started(self) -> bool:
@@ -618,7 +667,23 @@ class PipelineIterator:
                                 {stage.name: dict(stage.counters) for stage in self.stages})
             report["replayed_samples"] = self.emitter.replayed
             report["replayed_by_lane"] = dict(replayed)
+            report["throughput"] = self._pace.report()
+            report.update(self._describe())
         return report
+
+    def _describe(self) -> dict[str, Any]:
+        """What this iterator runs, for ``stats()``: epoch, runner, topology."""
+        return {
+            "epoch": self.epoch,
+            "runner": self.runner,
+            "num_workers": self.num_workers,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_lanes": self.pipeline.source.num_lanes,
+            "owned_lanes": list(self.lanes),
+            "outputs": sum(book.outputs for book in self.accounting.lanes.values()),
+            "finished": len(self._ended) == len(self.lanes),
+        }
 
     def _pool_bytes_now(self) -> list[int | None]:
         return [pool.bytes_read() if pool is not None else 0
@@ -648,13 +713,14 @@ class PipelineIterator:
             f"{d['where']} ({d['reason']}{': ' + d['detail'] if d['detail'] else ''})"
             for d in books.bad_samples(_WARN_EXAMPLES)
         )
-        warnings.warn(
+        message = (
             f"zephon_torch: on_error='skip' turned {books.bad_total} bad sample(s) of "
             f"lanes {self.lanes} into tombstones ({counts}); first: {first}. They are counted "
             "in stats()['lanes'][lane]['tombstoned']; fix the data or use on_error='raise' to "
-            "stop at the first one",
-            RuntimeWarning, stacklevel=2,
+            "stop at the first one"
         )
+        log_skips(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ lifetime
 

@@ -76,6 +76,7 @@ from multiprocessing import connection as mp_connection
 from typing import Any
 
 from zephon_torch._main_guard import unguarded_start
+from zephon_torch.logs import logger
 from zephon_torch.ops.base import OpContext, Operator
 from zephon_torch.runners import shm, wire
 from zephon_torch.runners.base import Pool
@@ -274,6 +275,8 @@ class _Supervisor:
         self.thread = threading.Thread(target=self._run, name="zephon-process-supervisor",
                                        daemon=True)
         self.thread.start()
+        logger.debug("process runner: %d worker process(es) started (%s)", num_workers,
+                     start_method)
 
     # ------------------------------------------------------------------ workers
 
@@ -497,6 +500,9 @@ class _Supervisor:
                            "out-of-memory killer")
                         + f", in the operator of stage {name!r}?)"
                     )))
+            logger.warning("process runner: worker %d (pid %s) %s; starting a new one and sending "
+                           "its %d micro-batch(es) again", worker.slot, process.pid, how,
+                           len(tasks))
             try:
                 self.workers[worker.slot] = self._start(worker.slot)
             except Exception as exc:

@@ -83,13 +83,15 @@ def lane_entries(accounting: Accounting, lanes: Sequence[int], loaded: Mapping[s
 
 
 def make_state(*, deterministic: bool, parts: dict[str, Any], num_lanes: int,
-               lanes: dict[str, Any], round_robin: dict[str, Any] | None) -> dict[str, Any]:
-    """A state with its checksum (``parts``: the fingerprint's parts)."""
+               lanes: dict[str, Any], round_robin: dict[str, Any] | None,
+               epoch: int = 0) -> dict[str, Any]:
+    """A state with its checksum (``parts``: the fingerprint's parts; ``epoch``: the run's)."""
     state = {
         "version": STATE_VERSION,
         "deterministic": deterministic,
         "fingerprint": parts,
         "num_lanes": num_lanes,
+        "epoch": epoch,
         "lanes": lanes,
         "round_robin": round_robin,
     }

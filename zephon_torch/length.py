@@ -1,0 +1,161 @@
+"""How many items a pass yields, when that is known without reading the data.
+
+``len(loader)`` and Lightning's progress bar want the number of batches of an
+epoch. For most pipelines it depends on the data: ``decode_text`` turns
+empty documents into tombstones, ``filter`` and ``map_transform`` drop what
+they drop, the packers fill rows by document lengths, ``ensure_mixture``
+holds back what it holds back. An upper bound would make a training loop
+wait for batches that never come, so :func:`num_batches` gives an exact
+count or ``None``, nothing in between.
+
+**When the count is exact.** The number of samples each lane reads is a
+pure function of the configuration (the work schedule: dataset sizes,
+``passes``, weights, ``chunk_size``, ``num_lanes``), so it is exact when every
+sample read reaches ``batch`` (or the end) as one record:
+
+* every ``passes`` is finite;
+* the sources cannot make tombstones: every dataset has
+  ``on_error="raise"``, no shard is read as a stream (compressed JSONL:
+  empty lines would be tombstones), and in-memory items hold no empty text
+  (checked here: the items are in memory);
+* the chain holds only ``fetch``, ``tokenize``, ``shuffle`` and at the end
+  one ``batch``, each with ``on_error="raise"``, plus ``decode_text`` over
+  in-memory items (an empty text in a file is only seen by reading it).
+
+Per lane, ``shuffle`` keeps the count, and ``batch(b)`` gives ``n // b``
+batches with ``drop_last=True`` (it never cuts a partial batch mid-stream),
+and with ``drop_last=False`` one batch per ``b`` records or part thereof in
+each flush period of the lane (a flush sentinel sends the partial batch
+out). A rank owns the lanes ``l % world_size == rank``, so its count is the
+sum over them; ranks may differ by a batch or so.
+
+The count is the same in every epoch (epochs reorder, they do not change
+what each lane reads). Anything else is ``None``, and
+:func:`unknown_reason` says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from zephon_torch.sources.schedule import WorkSchedule
+from zephon_torch.topology import owned_lanes
+from zephon_torch.vocab import empty_text_rows, is_empty_text
+
+if TYPE_CHECKING:
+    from zephon_torch.pipeline import Pipeline
+
+__all__ = ["lane_records", "num_batches", "unknown_reason"]
+
+
+def unknown_reason(pipeline: Pipeline) -> str | None:
+    """Why the pipeline's item count is not known in advance (None: it is)."""
+    from zephon_torch.ops.batch import Batch
+    from zephon_torch.ops.io import DecodeText, Fetch
+    from zephon_torch.ops.shuffle import Shuffle
+    from zephon_torch.ops.tokenize import Tokenize
+
+    src = pipeline.source
+    datasets = src.datasets
+    for dataset in datasets:
+        trips = dataset.passes if dataset.passes is not None else src.passes
+        if trips is None:
+            return f"dataset {dataset.name!r} repeats forever (passes=None)"
+        if getattr(dataset, "on_error", "raise") != "raise":
+            return (f"dataset {dataset.name!r} has on_error={dataset.on_error!r}: bad samples "
+                    "become tombstones")
+    in_memory = all(s.access == "inline" for d in datasets for s in d.shards())
+    ops = pipeline.ops
+    names = pipeline.stage_names()
+    for i, (name, op) in enumerate(zip(names, ops)):
+        kind = type(op)
+        if kind is Batch:
+            if i != len(ops) - 1:
+                return f"{name} is followed by other stages"
+            continue
+        if kind is DecodeText and not in_memory:
+            return f"{name} turns empty documents of files into tombstones (seen only by reading)"
+        if kind not in (Fetch, DecodeText, Tokenize, Shuffle):
+            return f"{name} may drop, merge or hold back records"
+        if getattr(op, "on_error", "raise") != "raise":
+            return f"{name} has on_error={op.on_error!r}: bad samples become tombstones"
+    for dataset in datasets:
+        for shard in dataset.shards():
+            if shard.access == "stream":
+                return (f"dataset {dataset.name!r} is read as a stream ({shard.name}): empty "
+                        "documents become tombstones")
+    fields = {op.field for op in ops if type(op) is DecodeText}
+    for dataset in datasets:
+        if dataset.kind != "items" or not len(dataset):
+            continue
+        payloads = dataset.read(0, range(len(dataset)))
+        if empty_text_rows(payloads) or any(
+                type(p) is dict and type(p.get(f)) is str and is_empty_text(p[f])
+                for p in payloads for f in fields):
+            return (f"dataset {dataset.name!r} holds empty texts, which become tombstones "
+                    "wherever the order puts them")
+    return None
+
+
+def lane_records(pipeline: Pipeline) -> dict[int, list[int]] | None:
+    """Per lane, the sizes of its chunks in order (None: an endless stream).
+
+    A walk over the work schedule (``WorkSchedule.advance``), which never
+    computes a pointer: one step per chunk for a single dataset, one per
+    sample for a mixture.
+    """
+    src = pipeline.source
+    schedule = WorkSchedule(
+        src.datasets, chunk_size=src.chunk_size, num_lanes=src.num_lanes, seed=src.seed,
+        passes=src.passes, shuffle=src.shuffle, weights=src.weights, exhausted=src.exhausted,
+    )
+    if any(limit == float("inf") for limit in schedule.limits):
+        return None
+    sizes: dict[int, list[int]] = {lane: [] for lane in range(src.num_lanes)}
+    state = schedule.initial_state()
+    while True:
+        components, nxt = schedule.advance(state)
+        if components is None:
+            return sizes
+        sizes[state.global_chunk % src.num_lanes].append(len(components))
+        state = nxt
+
+
+def num_batches(pipeline: Pipeline, *, rank: int | None = None, world_size: int | None = None,
+                lanes: Sequence[int] | None = None) -> int | None:
+    """The number of items one pass of ``pipeline`` yields to a rank, or None.
+
+    Items are batches when the chain ends in ``batch``, else records. Exact
+    or None (see the module doc and :func:`unknown_reason`); the same in
+    every epoch.
+
+    Args:
+        rank, world_size: The topology, as for ``Pipeline.iter`` (default:
+            ``torch.distributed``, then ``RANK``/``WORLD_SIZE``, then 0 and 1).
+        lanes: An explicit subset of lanes instead of the rank's.
+    """
+    from zephon_torch.ops.batch import Batch
+    from zephon_torch.topology import resolve_topology
+
+    rank, world_size = resolve_topology(rank, world_size)
+    owned = owned_lanes(pipeline.source.num_lanes, rank, world_size, lanes)
+    if unknown_reason(pipeline) is not None:
+        return None
+    sizes = lane_records(pipeline)
+    if sizes is None:
+        return None
+    last = pipeline.ops[-1] if pipeline.ops else None
+    if type(last) is not Batch:
+        return sum(sum(sizes[lane]) for lane in owned)
+    size = last.microbatch_size
+    if last.drop_last:
+        return sum(sum(sizes[lane]) // size for lane in owned)
+    period = pipeline.flush_every()
+    total = 0
+    for lane in owned:
+        chunks = sizes[lane]
+        spans = [chunks] if not period else [chunks[i:i + period]
+                                             for i in range(0, len(chunks), period)]
+        total += sum(-(-sum(span) // size) for span in spans)
+    return total

@@ -198,6 +198,24 @@ def test_a_state_saved_with_n_workers_resumes_with_m_workers_or_another_runner(
         assert_same(reference, head + rest, label=f"cut {cut}")
 
 
+def test_an_epoch_runs_in_the_workers_as_inline_and_its_state_resumes_there():
+    pipe = _pipe(num_lanes=4)
+    reference = collect(pipe, runner="inline", epoch=2)
+    assert_same(reference, collect(pipe, runner="lanes", num_workers=2, epoch=2))
+    it = pipe.iter(runner="lanes", num_workers=3, epoch=2)
+    try:
+        head = [next(it) for _ in range(9)]
+        state = json.loads(json.dumps(it.state_dict()))
+    finally:
+        it.close()
+    resumed = pipe.iter(runner="lanes", num_workers=2)  # the state's epoch is taken
+    try:
+        resumed.load_state_dict(state)
+        assert_same(reference, head + list(resumed))
+    finally:
+        resumed.close()
+
+
 def test_a_state_loaded_and_saved_before_any_item_is_the_loaded_position():
     pipe = _pipe()
     it = pipe.iter(runner="inline")

@@ -91,16 +91,7 @@ try:
 except ModuleNotFoundError as exc:  # an extra: say which one
     if (exc.name or "").split(".")[0] != "lightning":
         raise
-    try:  # the package's older name
-        import pytorch_lightning as pl  # type: ignore[no-redef]
-        from pytorch_lightning.utilities.model_helpers import (  # type: ignore[no-redef]
-            is_overridden,
-        )
-        from pytorch_lightning.utilities.signature_utils import (  # type: ignore[no-redef]
-            is_param_in_hook_signature,
-        )
-    except ModuleNotFoundError:
-        raise missing("lightning", "zephon_torch.lightning") from exc
+    raise missing("lightning", "zephon_torch.lightning") from exc
 
 from zephon_torch.checkpoint import merge_states
 from zephon_torch.pipeline import Pipeline

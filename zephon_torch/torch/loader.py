@@ -296,6 +296,7 @@ class DataLoader:
         self._fingerprint = self.pipeline.fingerprint()
         self._position = Position()
         self._warned_idle = False  # more lane workers than lanes: said once
+        self._lightning_warned = False  # zephon_torch.lightning not importable: said once
         self._loaded: dict[str, Any] | None = None  # waits for the next iteration
         # The current iteration's iterator (held weakly: a dropped iterator ends its run).
         self._active: weakref.ref[_LoaderIterator] | None = None
@@ -617,8 +618,18 @@ def _fit_view(loader: DataLoader) -> FitView | None:
     """
     if not any(name in sys.modules for name in _LIGHTNING):
         return None
-    from zephon_torch.lightning import fit_loop_view
-
+    try:
+        from zephon_torch.lightning import fit_loop_view
+    except ImportError as exc:  # pytorch_lightning alone: zephon_torch.lightning needs lightning
+        if not loader._lightning_warned:
+            loader._lightning_warned = True
+            warnings.warn(
+                f"zephon DataLoader under pytorch_lightning: the position saved while "
+                f"Trainer.fit iterates this loader may be off by the batch(es) Lightning "
+                f"prefetched, because zephon_torch.lightning, which reads the fit loop, "
+                f"cannot be imported ({exc}); install the lightning package "
+                f"(pip install 'zephon-torch[lightning]')", RuntimeWarning, stacklevel=3)
+        return None
     return fit_loop_view(loader)
 
 

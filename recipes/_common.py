@@ -276,7 +276,9 @@ def base_parser(description: str, *, steps: int, seq_len: int = 128, batch_size:
     parser.add_argument("--seq-len", type=int, default=seq_len,
                         help="model sequence length (rows are one longer, for the labels)")
     parser.add_argument("--batch-size", type=int, default=batch_size, help="rows per batch")
-    parser.add_argument("--runner", default="threads", choices=["inline", "threads", "process"])
+    parser.add_argument("--runner", choices=["inline", "threads", "process", "lanes"],
+                        help="default: lane workers for zephon_torch.DataLoader (with "
+                        "--num-workers > 0), threads for pipe.iter()")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1 ...)")
     parser.add_argument("--seed", type=int, default=0)

@@ -118,7 +118,7 @@ def run(pipe: zt.Pipeline, steps: int, args: argparse.Namespace,
     """Tallies of the first ``steps`` batches and of the whole pass, and its length."""
     prefix, whole = Tally(components, args.window), Tally(components, args.window)
     count = 0
-    with pipe.iter(runner=args.runner, num_workers=args.num_workers) as it:
+    with pipe.iter(runner=args.runner or "threads", num_workers=args.num_workers) as it:
         for count, batch in enumerate(it, start=1):
             whole.add(batch)
             if count <= steps:

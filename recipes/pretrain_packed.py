@@ -70,7 +70,7 @@ def train(pipe: zt.Pipeline, vocab_size: int, args: argparse.Namespace, *,
     device = torch.device(args.device)
     model = TinyGPT(vocab_size, max_positions=args.seq_len + 1).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    it = pipe.iter(runner=args.runner, num_workers=args.num_workers)
+    it = pipe.iter(runner=args.runner or "threads", num_workers=args.num_workers)
     start = 0
     if resume:
         # weights_only loading is enough: the data state is plain builtins.

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         totals = np.zeros(3, dtype=np.int64)
         losses = []
         started = time.perf_counter()
-        with pipe.iter(runner=args.runner, num_workers=args.num_workers) as it:
+        with pipe.iter(runner=args.runner or "threads", num_workers=args.num_workers) as it:
             for step in range(args.steps):
                 batch = next(it)
                 data = batch.to_training(return_labels=True, return_loss_mask=True,

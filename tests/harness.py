@@ -16,7 +16,7 @@ import numpy as np
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.types import SampleBatch, SampleRecord, payloads_equal
 
-RUNNERS = ("inline", "threads", "process")
+RUNNERS = ("inline", "threads", "process", "lanes")
 
 
 def collect(pipe: Pipeline, **iter_kwargs: Any) -> list[Any]:

@@ -61,6 +61,19 @@ def test_resume_on_the_process_runner(corpus_dir: Path, tokenizer: Any) -> None:
                                resume_settings=[{"runner": "process", "num_workers": 2}])
 
 
+@pytest.mark.parametrize("num_lanes", [4, 8])
+def test_lane_workers_restore_at_every_step_and_across_worker_counts(
+        num_lanes: int, corpus_dir: Path, tokenizer: Any) -> None:
+    pipe = full_chain(corpus_dir, tokenizer).with_source(num_lanes=num_lanes)
+    assert_restores_everywhere(
+        pipe, runner="lanes", num_workers=2,
+        resume_settings=[{"runner": "lanes", "num_workers": 3}, {"runner": "inline"},
+                         {"runner": "lanes", "num_workers": 1},
+                         {"runner": "lanes", "num_workers": 4}],
+        max_replayed_per_lane=K * CHUNK,
+    )
+
+
 @pytest.mark.parametrize("flush_every", [None, 1, 3])
 def test_several_passes_and_many_epochs_restore_exactly(flush_every: int | None) -> None:
     pipe = (items_pipe(40, passes=3, flush_every_k_chunks=flush_every, shuffle=True)

@@ -122,9 +122,19 @@ def test_each_operator_is_deterministic_across_runners(
         {"runner": "threads", "num_workers": 2, "microbatch_sizes": small},
         {"runner": "threads", "num_workers": 4},
         {"runner": "process", "num_workers": 2, "microbatch_sizes": small},
+        {"runner": "lanes", "num_workers": 3, "microbatch_sizes": small},
     ]
     reference = assert_deterministic(pipe, settings)
     assert reference, "the pipeline produced nothing"
+
+
+@pytest.mark.parametrize("num_lanes", [4, 8])
+def test_lane_workers_give_the_inline_output_for_1_to_4_workers(
+        num_lanes: int, corpus_dir: Path, tokenizer: Any) -> None:
+    pipe = full_chain(corpus_dir, tokenizer).with_source(num_lanes=num_lanes)
+    settings = [{"runner": "lanes", "num_workers": n} for n in (1, 2, 3, 4)]
+    reference = assert_deterministic(pipe, settings)
+    assert len({b.lane_ids[0] for b in reference}) == num_lanes
 
 
 @pytest.mark.parametrize("name", sorted(PIPELINES))

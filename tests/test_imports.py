@@ -78,5 +78,24 @@ def test_lower_layers_never_import_the_layers_above_them() -> None:
         *_offenders([_PACKAGE / "accounting.py"], "zephon_torch.runners"),
         *_offenders([_PACKAGE / "topology.py", _PACKAGE / "vocab.py"], "zephon_torch"),
         *_offenders([_PACKAGE / "types.py"], "zephon_torch._training", at_import_only=True),
+        # The pipeline (a description) and the runners know no torch wrapper: lane
+        # ownership for ranks and workers is topology.py's.
+        *[problem for path in [_PACKAGE / "pipeline.py", *sorted((_PACKAGE / "runners").glob(
+            "*.py"))] for layer in ("zephon_torch.torch", "zephon_torch.lightning",
+                                    "zephon_torch._torch_hook")
+          for problem in _offenders([path], layer, at_import_only=True)],
+        # Lightning-specific code lives in lightning.py, which the torch loader consults
+        # only when Lightning is imported.
+        *_offenders(sorted((_PACKAGE / "torch").glob("*.py")), "zephon_torch.lightning",
+                    at_import_only=True),
     ]
     assert problems == []
+
+
+def test_the_iter_keyword_list_is_pipeline_iters_signature() -> None:
+    import inspect
+
+    from zephon_torch.pipeline import Pipeline
+    from zephon_torch.runners.iterator import ITER_KWARGS
+
+    assert tuple(inspect.signature(Pipeline.iter).parameters)[1:] == ITER_KWARGS

@@ -201,6 +201,17 @@ def test_epochs_cut_by_limit_train_batches_continue_the_stream_and_resume_exactl
     assert resumed.seen == full.seen[4:]
 
 
+def test_epochs_cut_by_limit_train_batches_continue_the_stream_when_the_step_pulls_batches(
+        tmp_path: Path):
+    # training_step(dataloader_iter): Lightning calls no hook per batch, so every batch
+    # handed out counts as received, and the next epoch goes on after the last of them.
+    full = _fit(tmp_path, IteratorLM(), _dm(in_process=True), max_epochs=3,
+                limit_train_batches=4)
+    reference = [_ids(b.to_training(**TO_TRAINING))
+                 for b, _ in zip(_pipe().iter(runner="inline"), range(12))]
+    assert full.seen == reference
+
+
 def test_a_model_hook_on_before_batch_transfer_still_runs(tmp_path: Path):
     with pytest.warns(UserWarning, match="overridden `on_before_batch_transfer` in both"):
         model = _fit(tmp_path, HookedLM(), _dm(in_process=True), max_steps=3)

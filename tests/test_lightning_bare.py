@@ -31,7 +31,7 @@ from test_lightning import (
 )
 
 import zephon_torch as zt
-from zephon_torch.torch.loader import DataLoader, _Position
+from zephon_torch.torch.loader import DataLoader, Position
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -280,7 +280,7 @@ def test_a_lightning_release_outside_the_tested_range_warns_once(
 
 
 def test_the_lightning_extra_pins_the_range_the_loader_was_tested_with():
-    from zephon_torch.torch.loader import TESTED_LIGHTNING
+    from zephon_torch.lightning import TESTED_LIGHTNING
 
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml")
@@ -296,7 +296,7 @@ def test_the_lightning_extra_pins_the_range_the_loader_was_tested_with():
 
 
 def test_positions_further_back_than_remembered_are_refused_not_guessed():
-    position = _Position()
+    position = Position()
     position.reset(None)
     states = [{"after": n} for n in range(1, 21)]
     for state in states:

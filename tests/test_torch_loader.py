@@ -1,8 +1,9 @@
 """Tests for ``zephon_torch.torch.loader.DataLoader``: real torch, real processes.
 
 Every comparison is against ``pipe.iter()`` + ``to_training`` on the inline
-runner, by sample ids and tensors. The engine process, its pool workers,
-shared-memory segments and a two-process gloo group are all real.
+runner, by sample ids and tensors. The lane workers, the engine process of
+``runner="process"`` and its pool workers, shared-memory segments and a
+two-process gloo group are all real.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +112,22 @@ def _wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
 
 
 def _engine_tree(it: Any) -> set[int]:
-    """The engine process and its pool workers, once all are up."""
+    """The engine process and its pool workers, once all are up; or the lane workers."""
     pid = it.engine_pid
-    assert pid is not None
+    if pid is None:
+        assert it.worker_pids
+        return set(it.worker_pids)
     return {pid, *_descendants(pid)}
+
+
+# Where the pipeline runs: in this process (the inline runner, or a stage-parallel runner
+# with in_process=True), in lane workers (the default with workers), or in an engine process.
+MODES = {
+    "inline": {"num_workers": 0},
+    "in_process": {"in_process": True, "runner": "process", "num_workers": 2},
+    "engine": {"runner": "process", "num_workers": 1},
+    "lanes": {"num_workers": 2},
+}
 
 
 def _assert_clean(tree: set[int]) -> None:
@@ -125,15 +139,46 @@ def _assert_clean(tree: set[int]) -> None:
 # --------------------------------------------------------------------------- output
 
 
-@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "engine"])
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_output_equals_the_pipeline_iterator_with_to_training(in_process, num_workers):
+@pytest.mark.parametrize("mode", [*MODES, "lanes-1", "lanes-3", "lanes-8"])
+def test_output_equals_the_pipeline_iterator_with_to_training(mode):
     pipe = _pipe()
-    with DataLoader(pipe, num_workers=num_workers, in_process=in_process) as loader:
+    kwargs = MODES.get(mode) or {"num_workers": int(mode.split("-")[1])}
+    with DataLoader(pipe, **kwargs) as loader:
         got = list(loader)
     _assert_same(got, _reference(pipe))
     assert len(got) == 20
     assert _segments() == []
+
+
+def test_lane_workers_are_the_default_with_workers_and_each_owns_its_lanes():
+    loader = DataLoader(_pipe(num_lanes=4), num_workers=2)
+    assert loader.runner == "lanes"
+    assert DataLoader(_pipe(), num_workers=0).runner == "inline"
+    assert DataLoader(_pipe(), num_workers=2, task_timeout=30).runner == "process"
+    # Lane workers run every stage themselves; a stage placed on Ray needs the pool.
+    remote = _pipe().map_transform(dict, placement="remote")
+    assert DataLoader(remote, num_workers=2).runner == "process"
+    it = iter(loader)
+    next(it)
+    assert len(it.worker_pids) == 2 and it.engine_pid is None
+    assert os.getpid() not in it.worker_pids
+    loader.close()
+    assert _wait_gone(set(it.worker_pids)) == set()
+
+
+def test_more_workers_than_lanes_warn_once_at_the_callers_line_and_output_is_unchanged():
+    pipe = _pipe(num_lanes=2)
+    loader = DataLoader(pipe, num_workers=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        epochs = [list(loader) for _ in range(2)]
+    idle = [w for w in caught if "worker(s) get no lane" in str(w.message)]
+    assert len(idle) == 1, [str(w.message) for w in caught]
+    assert "5 workers but this rank owns 2 lane(s): 3 worker(s) get no lane" in str(
+        idle[0].message)
+    assert idle[0].filename == __file__
+    for got in epochs:
+        _assert_same(got, _reference(pipe))
 
 
 def test_to_training_options_reach_to_training_in_the_engine():
@@ -146,9 +191,10 @@ def test_to_training_options_reach_to_training_in_the_engine():
     assert got[0]["input_ids"].shape == (2, 8)
 
 
-def test_to_training_false_yields_the_sample_batches():
+@pytest.mark.parametrize("mode", ["engine", "lanes"])
+def test_to_training_false_yields_the_sample_batches(mode):
     pipe = _pipe()
-    got = list(DataLoader(pipe, to_training=False, num_workers=1))
+    got = list(DataLoader(pipe, to_training=False, **MODES[mode]))
     want = list(pipe.iter(runner="inline"))
     assert all(isinstance(b, zt.SampleBatch) for b in got)
     assert got == want
@@ -163,10 +209,12 @@ def test_device_cpu_places_tensors_on_the_cpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_device_pins_and_copies_without_blocking():
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_cuda_device_pins_and_copies_without_blocking(num_workers):
     pipe = _pipe()
     want = _reference(pipe, return_labels=True)
-    loader = DataLoader(pipe, device="cuda", to_training={"return_labels": True})
+    loader = DataLoader(pipe, device="cuda", to_training={"return_labels": True},
+                        num_workers=num_workers)
     assert loader.pin_memory  # pinned by default for a CUDA device
     got = list(loader)
     assert all(b["input_ids"].is_cuda and b["labels"].is_cuda for b in got)
@@ -179,11 +227,11 @@ def test_cuda_device_pins_and_copies_without_blocking():
 # --------------------------------------------------------------------------- state
 
 
-@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "engine"])
-def test_state_after_k_batches_resumes_exactly_despite_prefetching(in_process):
+@pytest.mark.parametrize("mode", MODES)
+def test_state_after_k_batches_resumes_exactly_despite_prefetching(mode):
     pipe = _pipe()
     want = _reference(pipe)
-    loader = DataLoader(pipe, in_process=in_process, prefetch_factor=3)
+    loader = DataLoader(pipe, prefetch_factor=3, **MODES[mode])
     it = iter(loader)
     head = [next(it) for _ in range(5)]
     # Let the prefetch thread (and the engine behind it) run ahead of the caller.
@@ -196,7 +244,8 @@ def test_state_after_k_batches_resumes_exactly_despite_prefetching(in_process):
     assert loader.state_dict(gather=True) == state  # no process group: the local state
     loader.close()
 
-    resumed = DataLoader(pipe, in_process=in_process)
+    other = {"inline": "lanes", "lanes": "engine", "engine": "inline"}.get(mode, mode)
+    resumed = DataLoader(pipe, **MODES[other])  # another number of workers, or runner
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state  # before iterating: the loaded position
     tail = list(resumed)
@@ -252,11 +301,11 @@ def test_iter_alone_starts_nothing_and_keeps_a_loaded_state():
     probe.close()
 
 
-@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "engine"])
-def test_a_peek_with_a_new_iterator_inside_the_loop_is_refused_and_the_loop_goes_on(in_process):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_peek_with_a_new_iterator_inside_the_loop_is_refused_and_the_loop_goes_on(mode):
     pipe = _pipe()
     want = _reference(pipe)
-    loader = DataLoader(pipe, in_process=in_process)
+    loader = DataLoader(pipe, **MODES[mode])
     got = []
     for i, batch in enumerate(loader):
         got.append(batch)
@@ -264,7 +313,7 @@ def test_a_peek_with_a_new_iterator_inside_the_loop_is_refused_and_the_loop_goes
             peek = iter(loader)
             with pytest.raises(RuntimeError, match="one iteration at a time"):
                 next(peek)
-            assert peek.engine_pid is None  # the refused iterator started nothing
+            assert peek.engine_pid is None and not peek.worker_pids  # it started nothing
             after_three = loader.state_dict()
     _assert_same(got, want)  # neither ended early nor restarted
     resumed = DataLoader(pipe, in_process=True)
@@ -318,15 +367,26 @@ def _fails_on_doc_17(payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
-def test_an_error_in_the_engine_reaches_the_caller_with_its_type_after_earlier_batches():
+@pytest.mark.parametrize("mode, where", [("engine", "engine process"), ("lanes", "lane worker"),
+                                         ("inline", None)])
+def test_an_error_in_the_pipeline_reaches_the_caller_with_its_type_after_earlier_batches(
+        mode, where):
     pipe = (zt.Pipeline.from_items(_items(), num_lanes=1, chunk_size=4)
             .map_transform(_fails_on_doc_17).batch(2))
     got = []
     with pytest.raises(KeyError, match="doc 17 is broken") as info:
-        for batch in DataLoader(pipe, microbatch_sizes={"map_transform": 2}):
+        for batch in DataLoader(pipe, microbatch_sizes={"map_transform": 2}, **MODES[mode]):
             got.append(batch)
-    assert "engine process" in str(info.value.__cause__)
-    assert [b["ids"][0][2] for b in got] == [0, 2, 4, 6, 8, 10, 12, 14]
+    if where is not None:  # the traceback of the process where it was raised
+        assert where in str(info.value.__cause__)
+    want = [0, 2, 4, 6, 8, 10, 12, 14]
+    firsts = [b["ids"][0][2] for b in got]
+    if mode == "engine":
+        # A stage-parallel runner raises when the failed micro-batch is released, and
+        # may drop batches finished in the same step: a prefix, never a gap.
+        assert firsts == want[:len(firsts)]
+    else:
+        assert firsts == want
     assert multiprocessing.active_children() == [] and _segments() == []
 
 
@@ -391,20 +451,25 @@ def test_a_pipeline_stuck_on_the_prefetch_thread_times_out_with_an_error_naming_
     loader.close()
 
 
-def test_a_stopped_engine_process_times_out_with_an_error_naming_its_pid_and_is_cleaned_up():
-    loader = DataLoader(_pipe(), num_workers=1)
+@pytest.mark.parametrize("mode", ["engine", "lanes"])
+def test_a_stopped_process_times_out_with_an_error_naming_its_pid_and_is_cleaned_up(mode):
+    loader = DataLoader(_pipe(n=400), num_workers=1, runner=MODES[mode].get("runner"))
     it = iter(loader)
     next(it)  # without a timeout: the engine's start-up (a spawn, imports) is not measured
     tree = _engine_tree(it)
-    engine = it.engine_pid
+    if mode == "engine":
+        engine = it.engine_pid
+        who = rf"the loader's engine process \(pid {engine}\)"
+    else:
+        engine = it.worker_pids[0]
+        who = rf"the loader's lane worker 0 \(pid {engine}, lanes \[0, 1, 2, 3\]\)"
     loader.timeout = 2
     os.kill(engine, signal.SIGSTOP)
     started = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match=rf"timed out after 2 seconds waiting for a "
-                                               rf"batch from the loader's engine process "
-                                               rf"\(pid {engine}\)"):
-            for _ in range(25):  # the batches already in transit come first
+                                               rf"batch from {who}"):
+            for _ in range(250):  # the batches already in transit come first
                 next(it)
         assert time.monotonic() - started < 30
         _assert_clean(tree)  # the timeout ended the iteration: engine and worker stopped
@@ -419,20 +484,22 @@ def test_a_stopped_engine_process_times_out_with_an_error_naming_its_pid_and_is_
 # --------------------------------------------------------------------------- lifetime
 
 
-def test_close_stops_the_engine_and_its_workers():
-    loader = DataLoader(_pipe(), num_workers=1)
+@pytest.mark.parametrize("mode", ["engine", "lanes"])
+def test_close_stops_the_engine_and_its_workers(mode):
+    loader = DataLoader(_pipe(), **MODES[mode])
     it = iter(loader)
     next(it)
     tree = _engine_tree(it)
-    assert len(tree) >= 2  # the engine and its pool worker
+    assert len(tree) >= 2  # the engine and its pool worker; or the two lane workers
     loader.close()
     _assert_clean(tree)
     with pytest.raises(StopIteration):
         next(it)
 
 
-def test_break_then_garbage_collection_stops_the_engine():
-    loader = DataLoader(_pipe(), num_workers=1)
+@pytest.mark.parametrize("mode", ["engine", "lanes"])
+def test_break_then_garbage_collection_stops_the_engine(mode):
+    loader = DataLoader(_pipe(), **MODES[mode])
     tree: set[int] = set()
     for it_batch in loader:
         tree = _engine_tree(loader._active())
@@ -443,8 +510,9 @@ def test_break_then_garbage_collection_stops_the_engine():
     assert loader.state_dict() is not None
 
 
-def test_an_exception_in_the_training_loop_stops_the_engine():
-    loader = DataLoader(_pipe(), num_workers=1)
+@pytest.mark.parametrize("mode", ["engine", "lanes"])
+def test_an_exception_in_the_training_loop_stops_the_engine(mode):
+    loader = DataLoader(_pipe(), **MODES[mode])
     tree: set[int] = set()
     with pytest.raises(ZeroDivisionError):
         for _ in loader:
@@ -454,8 +522,9 @@ def test_an_exception_in_the_training_loop_stops_the_engine():
     _assert_clean(tree)
 
 
-def test_dropping_the_loader_and_its_iterator_stops_the_engine():
-    loader = DataLoader(_pipe())
+@pytest.mark.parametrize("mode", ["engine", "lanes"])
+def test_dropping_the_loader_and_its_iterator_stops_the_engine(mode):
+    loader = DataLoader(_pipe(), **MODES[mode])
     it = iter(loader)
     next(it)
     tree = _engine_tree(it)
@@ -465,6 +534,38 @@ def test_dropping_the_loader_and_its_iterator_stops_the_engine():
 
 
 # A training script; spawned processes re-import it, so it imports little at the top.
+_NO_GUARD = textwrap.dedent("""
+    import multiprocessing
+    import numpy as np
+    import zephon_torch as zt
+
+    items = [{"input_ids": np.arange(i, i + 6)} for i in range(400)]
+    pipe = zt.Pipeline.from_items(items, num_lanes=4, chunk_size=4).batch(2)
+    out = {}
+    for workers in (0, 2):
+        got = []
+        for batch in zt.DataLoader(pipe, num_workers=workers):
+            if not got:  # the workers, credits bounding how far ahead they run, still work
+                children = len(multiprocessing.active_children())
+                assert children == workers, (workers, children)
+            got.append(batch["input_ids"].tolist())
+        out[workers] = got
+    print("same" if out[0] == out[2] else "different", len(out[0]))
+""")
+
+
+def test_a_script_without_a_main_guard_runs_with_0_or_2_workers_as_with_torchs_loader(tmp_path):
+    # num_workers=0 starts no process at all; lane workers are forked (Linux), as torch's.
+    script = tmp_path / "train.py"
+    script.write_text(_NO_GUARD)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("ZEPHON_LANES_START_METHOD", None)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["same", "200"]
+
+
 _SCRIPT = textwrap.dedent("""
     import sys, time
     import numpy as np
@@ -473,29 +574,32 @@ _SCRIPT = textwrap.dedent("""
     if __name__ == "__main__":
         from zephon_torch.torch.loader import DataLoader
 
-        items = [{"input_ids": np.arange(9)} for _ in range(40)]
+        items = [{"input_ids": np.arange(9)} for _ in range(400)]
         pipe = zt.Pipeline.from_items(items, num_lanes=2, chunk_size=4).map_transform(dict)
-        loader = DataLoader(pipe.batch(2), num_workers=1)
+        runner = None if sys.argv[2] == "lanes" else "process"
+        loader = DataLoader(pipe.batch(2), num_workers=1, runner=runner)
         it = iter(loader)
         next(it)
         time.sleep(0.5)  # the engine and its worker are up; leave without closing
-        print("engine", it.engine_pid, flush=True)
+        pids = [it.engine_pid] if it.engine_pid is not None else it.worker_pids
+        print("pids", *pids, flush=True)
         if sys.argv[1] == "kill":
             time.sleep(60)
 """)
 
 
+@pytest.mark.parametrize("mode", ["engine", "lanes"])
 @pytest.mark.parametrize("how", ["exit", "kill"])
-def test_end_of_program_or_sigkill_stops_the_engine_without_leaks(tmp_path, how):
+def test_end_of_program_or_sigkill_stops_the_engine_without_leaks(tmp_path, how, mode):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script), how, mode], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
-    assert line.startswith("engine"), proc.stderr.read()
-    engine = int(line.split()[1])
-    tree = {engine, *_descendants(engine)}
+    assert line.startswith("pids"), proc.stderr.read()
+    pids = [int(p) for p in line.split()[1:]]
+    tree = {p for pid in pids for p in (pid, *_descendants(pid))}
     if how == "kill":
         proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)  # exit: must not hang joining the non-daemonic engine
@@ -518,22 +622,25 @@ def _uneven_pipe() -> zt.Pipeline:
             .map_transform(dict).shuffle(8, seed=1).batch(2))
 
 
-def _rank_main(rank: int, port: int, out: str) -> None:
+def _rank_main(rank: int, port: int, out: str, num_workers: int = 0) -> None:
     """One rank of the gloo group (run in a subprocess by the test below)."""
+    import warnings
+
     import torch.distributed as dist
 
+    warnings.simplefilter("ignore", RuntimeWarning)  # rank 1 has 2 workers for 1 lane
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     pipe = _uneven_pipe()
     report: dict[str, Any] = {}
     steps = 0
-    for _ in DataLoader(pipe):
+    for _ in DataLoader(pipe, num_workers=num_workers):
         dist.all_reduce(torch.ones(1))  # a collective training step: would hang if uneven
         steps += 1
     report["stop"] = steps
     report["continue"] = sum(1 for _ in DataLoader(pipe, on_uneven="continue",
                                                    in_process=True))
-    loader = DataLoader(pipe, in_process=True)
+    loader = DataLoader(pipe, num_workers=num_workers)
     it = iter(loader)
     report["head"] = [next(it)["ids"] for _ in range(3)]
     report["state"] = loader.state_dict(gather=True)
@@ -549,7 +656,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_uneven_ranks_stop_together_and_a_gathered_state_resumes_on_one_process(tmp_path):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_uneven_ranks_stop_together_and_a_gathered_state_resumes_on_one_process(
+        tmp_path, num_workers):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RANK", None)
@@ -558,7 +667,8 @@ def test_uneven_ranks_stop_together_and_a_gathered_state_resumes_on_one_process(
     for rank in range(2):
         code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); "
                 f"from test_torch_loader import _rank_main; "
-                f"_rank_main({rank}, {port}, {str(tmp_path / f'rank{rank}.json')!r})")
+                f"_rank_main({rank}, {port}, {str(tmp_path / f'rank{rank}.json')!r}, "
+                f"{num_workers})")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env,
                                       stderr=subprocess.PIPE, text=True))
     for proc in procs:

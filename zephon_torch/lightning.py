@@ -64,15 +64,23 @@ DDP strategy starts one), each rank's loader takes its own lanes, and
 ``state_dict()`` all-gathers every rank's position and merges them (a
 collective: Lightning saves checkpoints on every rank), so a checkpoint
 restarts on any world size up to the pipeline's ``num_lanes``.
+
+**A bare loader under Lightning.** A ``zephon_torch.DataLoader`` passed to
+``Trainer.fit`` directly is saved by Lightning itself; :func:`fit_loop_view`
+(which the loader consults only when Lightning is imported) reads Lightning's
+fit loop so that the loader answers with the position of the batch the
+training step received. Everything the loader and the stream keep of
+positions is the loader's :class:`~zephon_torch.torch.loader.Position`.
 """
 
 from __future__ import annotations
 
-import copy
+import re
+import sys
 import warnings
-from collections import deque
-from collections.abc import Iterator, Mapping
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 from zephon_torch._extras import missing
 
@@ -88,9 +96,18 @@ except ModuleNotFoundError as exc:  # an extra: say which one
 from zephon_torch.checkpoint import merge_states
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.topology import resolve_topology
+from zephon_torch.torch._loader_dist import gather
+from zephon_torch.torch.dataset import pipeline_of
 from zephon_torch.torch.loader import DataLoader
 
-__all__ = ["ZephonDataModule", "ZephonStream"]
+__all__ = ["TESTED_LIGHTNING", "FitView", "ZephonDataModule", "ZephonStream", "fit_loop_view"]
+
+_FIT_LOOP_MODULES = ("lightning.pytorch.loops.fit_loop", "pytorch_lightning.loops.fit_loop")
+#: The Lightning releases whose fit loop :func:`fit_loop_view` was tested with (>= first,
+#: < second); the "lightning" extra of pyproject.toml pins the same range.
+TESTED_LIGHTNING = ((2, 2), (2, 7))
+# Warnings about Lightning given once per loader.
+_WARNED: weakref.WeakKeyDictionary[DataLoader, set[str]] = weakref.WeakKeyDictionary()
 
 STATE_FORMAT = "zephon_torch.ZephonDataModule"
 STATE_VERSION = 1
@@ -142,32 +159,42 @@ class ZephonStream:
 
 
 class _TrainStream(ZephonStream):
-    """A stream that also remembers the state after each batch until the step receives it."""
+    """A stream that also counts the batches handed out that the step has not received.
 
-    def __init__(self, loader: DataLoader) -> None:
+    The states are the loader's: its :class:`~zephon_torch.torch.loader.Position`
+    remembers the state after each of its last batches, so the position of the
+    last batch received is the one before the ``held`` batches still waiting.
+
+    Args:
+        loader: The train loader.
+        all_received: Whether every batch handed out counts as received (a
+            ``training_step(dataloader_iter)`` pulls its batches, and Lightning
+            then calls no hook per batch).
+    """
+
+    def __init__(self, loader: DataLoader, all_received: Callable[[], bool]) -> None:
         super().__init__(loader)
-        self._waiting: deque[dict[str, Any]] = deque()  # handed out, not yet received
-        self._received: dict[str, Any] | None = None  # None: not started, the loader knows
+        self._all_received = all_received
+        self._held = 0  # batches handed out, not yet received by the step
         self._exhausted = False
 
     def _begin(self) -> tuple[int, Iterator[Any]]:
-        if self._received is not None and not (self._exhausted and not self._waiting):
+        if self._all_received():
+            self._held = 0
+        if self.started and self.loader.checkpointable and not (
+                self._exhausted and not self._held):
             # Lightning ended an epoch before the pipeline ended (limit_train_batches):
             # the next epoch continues after the last batch the step received, so the
             # batch its fetcher had prefetched is not lost.
-            self.loader.load_state_dict(self._received)
+            self.loader.load_state_dict(self._received())
         generation, iterator = super()._begin()
-        # Right after iter() the loader reports where this iteration starts: the
-        # loaded state, or the beginning of a new pass.
-        self._waiting.clear()
-        # deterministic=False cannot checkpoint: nothing to remember, and state_dict() says why.
-        self._received = self.loader.state_dict() if self.loader.checkpointable else None
+        self._held = 0
         self._exhausted = False
         return generation, iterator
 
     def _handed(self, generation: int) -> None:
-        if generation == self._generation and self.loader.checkpointable:
-            self._waiting.append(self.loader.state_dict())
+        if generation == self._generation:
+            self._held += 1
 
     def _ended(self, generation: int) -> None:
         if generation == self._generation:
@@ -175,22 +202,18 @@ class _TrainStream(ZephonStream):
 
     def received_one(self) -> None:
         """The training step is about to receive the oldest batch handed out."""
-        if self._waiting:
-            self._received = self._waiting.popleft()
+        self._held = max(0, self._held - 1)
 
-    def position(self, *, all_received: bool) -> tuple[dict[str, Any], bool]:
-        """``(state after the last batch received, whether the pass has ended)``.
+    def _received(self) -> dict[str, Any]:
+        """The state after the last batch the step received (this rank's lanes)."""
+        return self.loader._state_before(self._held)
 
-        Args:
-            all_received: Count every batch handed out as received (no
-                prefetching consumer).
-        """
-        if all_received:
-            while self._waiting:
-                self.received_one()
-        if self._received is None:  # not started: the loaded state, or the beginning
-            return self.loader.state_dict(), False
-        return copy.deepcopy(self._received), self._exhausted and not self._waiting
+    def position(self) -> tuple[dict[str, Any], bool]:
+        """``(state after the last batch received, whether the pass has ended)``."""
+        if self._all_received():
+            self._held = 0
+        # Before the first iteration: the loaded state, or the beginning.
+        return self._received(), self.started and self._exhausted and not self._held
 
 
 class _LazyIterator:
@@ -279,7 +302,7 @@ class ZephonDataModule(pl.LightningDataModule):
             loader = self._loader(self.train)
         if self._train_stream is not None:
             self._train_stream.close()
-        self._train_stream = _TrainStream(loader)
+        self._train_stream = _TrainStream(loader, self._step_takes_iterator)
         self._torn_down = False
         return self._train_stream
 
@@ -324,10 +347,11 @@ class ZephonDataModule(pl.LightningDataModule):
         stream = self._train_stream
         if stream is None:
             loader = self._next_train if self._next_train is not None else self._loader(self.train)
-            local, ended = loader.state_dict(), False
+            local, ended = loader.state_dict(gather=False), False
         else:
-            local, ended = stream.position(all_received=self._step_takes_iterator())
-        state, ended = _gather(stream.loader if stream is not None else None, local, ended)
+            loader = stream.loader
+            local, ended = stream.position()
+        state, ended = _gather(loader, local, ended)
         return {"format": STATE_FORMAT, "version": STATE_VERSION, "train": state,
                 "pass_ended": ended}
 
@@ -388,26 +412,157 @@ class ZephonDataModule(pl.LightningDataModule):
 
 
 def _check_pipeline(pipeline: Any, name: str) -> Pipeline:
-    if isinstance(pipeline, Pipeline):
-        return pipeline
-    inner = getattr(pipeline, "pipeline", None)  # pipe.to_torch_dataset()
-    if isinstance(inner, Pipeline):
-        return inner
-    raise TypeError(f"ZephonDataModule({name}=...) takes a zephon_torch.Pipeline, got "
-                    f"{type(pipeline).__name__}")
+    return pipeline_of(f"ZephonDataModule({name}=...)", pipeline)
 
 
-def _gather(loader: DataLoader | None, local: dict[str, Any],
+def _gather(loader: DataLoader, local: dict[str, Any],
             ended: bool) -> tuple[dict[str, Any], bool]:
     """Every rank's position merged, when the loader spans an initialized process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    parts = gather({"state": local, "ended": ended},
+                   *resolve_topology(loader.rank, loader.world_size))
+    if not parts:  # one process, or an explicit sub-topology whose peers are not the group
         return local, ended
-    if loader is not None:
-        topology = resolve_topology(loader.rank, loader.world_size)
-        if topology != (dist.get_rank(), dist.get_world_size()):
-            return local, ended  # an explicit sub-topology: its peers are not the group
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, {"state": local, "ended": ended})
     return merge_states([p["state"] for p in parts]), all(p["ended"] for p in parts)
+
+
+# --------------------------------------------------------------------------- a bare loader
+
+
+class FitView(NamedTuple):
+    """What Lightning's fit loop holds of a train loader, when ``state_dict()`` is called."""
+
+    held: int  # batches its fetcher took from the loader but the step has not received
+    epoch_over: bool  # the step has received the epoch's last batch
+    saving: bool  # the call comes from the loop's checkpoint dump (on every rank)
+
+
+def fit_loop_view(loader: DataLoader) -> FitView | None:
+    """How Lightning's fit loop stands with ``loader``, when it iterates it (else ``None``).
+
+    Lightning's ``_FitLoop`` saves its train loaders' ``state_dict()`` in a
+    checkpoint (``on_save_checkpoint``), while its ``_PrefetchDataFetcher``
+    already holds the batch after the one the training step received, in
+    ``fetcher.batches``; a ``training_step(dataloader_iter)`` gets a
+    ``_DataLoaderIterDataFetcher``, which holds none. ``fetcher.done`` says
+    that the step has received the epoch's last batch: Lightning's next epoch
+    starts a new iteration. The loop is found on the call stack, by module
+    and class name, and only when ``loader`` is one of its train loaders
+    itself (not, say, the loader inside a ``ZephonDataModule`` stream, which
+    counts for itself). ``DataLoader.state_dict()`` calls this only when
+    Lightning is imported, so the loader itself never imports it.
+
+    These are private names of Lightning (tested with the releases in
+    :data:`TESTED_LIGHTNING`). Where the fit loop is on the stack but one of
+    them is missing or of another type, or Lightning is another release, the
+    loader warns once (``RuntimeWarning``): the saved position may be off by
+    the batches Lightning prefetched, and ``ZephonDataModule`` does not
+    depend on them.
+
+    ``saving`` is true when the innermost fit-loop frame is its
+    ``on_save_checkpoint``: ``Trainer.save_checkpoint`` builds the whole
+    checkpoint (``dump_checkpoint``) on every rank, and only then lets rank
+    0 write it, so a collective is safe there. A call from elsewhere in the
+    fit (a callback, the training step) may come from one rank only.
+
+    Args:
+        loader: The loader whose ``state_dict()`` is being called.
+
+    Returns:
+        ``None`` when no fit loop on the stack iterates ``loader``.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__")
+        if module in _FIT_LOOP_MODULES:
+            owner = frame.f_locals.get("self")
+            if owner is not None and _is_fit_loop(owner):
+                saving = frame.f_code.co_name == "on_save_checkpoint"
+                return _read_fit_loop(loader, owner, module.split(".")[0], saving)
+        frame = frame.f_back
+    return None
+
+
+def _read_fit_loop(loader: DataLoader, loop: Any, package: str, saving: bool) -> FitView | None:
+    """:func:`fit_loop_view` of the fit loop ``loop`` (of the Lightning ``package``)."""
+    version = str(getattr(sys.modules.get(package), "__version__", "of unknown version"))
+
+    def unexpected(what: str) -> None:
+        _warn_lightning(loader, "structure", (
+            f"zephon DataLoader under Lightning {version}: its fit loop does not have the "
+            f"structure this loader reads to count the batches Lightning's fetcher took ahead "
+            f"of the training step ({what}), so the position saved in checkpoints may be off "
+            "by the batch(es) Lightning prefetched (a resume would skip them). Use "
+            "zephon_torch.lightning.ZephonDataModule, which counts batches through a public "
+            "hook, instead of passing the loader to Trainer.fit directly"
+        ))
+
+    if not hasattr(loop, "_combined_loader"):
+        unexpected(f"{type(loop).__name__} has no '_combined_loader'")
+        return None
+    combined = loop._combined_loader
+    if combined is None:
+        return None  # no train loader set up yet: this loader is not one of them
+    flattened = getattr(combined, "flattened", None)
+    if not isinstance(flattened, (list, tuple)):
+        unexpected(f"its combined loader ({type(combined).__name__}) has no 'flattened' list")
+        return None
+    if not any(dl is loader for dl in flattened):
+        return None
+    _check_lightning_version(loader, package, version)
+    if not hasattr(loop, "_data_fetcher"):
+        unexpected(f"{type(loop).__name__} has no '_data_fetcher'")
+        return FitView(0, False, saving)
+    fetcher = loop._data_fetcher
+    if fetcher is None:
+        return FitView(0, False, saving)  # between fits: nothing is held
+    kinds = {cls.__name__ for cls in type(fetcher).__mro__}
+    done = getattr(fetcher, "done", None)
+    if not isinstance(done, bool):
+        unexpected(f"{type(fetcher).__name__}.done is {type(done).__name__}, not a bool")
+        done = False
+    batches = getattr(fetcher, "batches", None)
+    if "_DataLoaderIterDataFetcher" in kinds:
+        held = 0  # the step pulls its batches itself: none is held ahead of it
+    elif "_PrefetchDataFetcher" in kinds and isinstance(batches, list):
+        held = len(batches)
+    else:
+        if "_PrefetchDataFetcher" in kinds:
+            unexpected(f"{type(fetcher).__name__}.batches is {type(batches).__name__}, not a "
+                       "list")
+        else:
+            unexpected(f"an unknown data fetcher, {type(fetcher).__name__}")
+        held = len(batches) if isinstance(batches, list) else 0
+    return FitView(held, done, saving)
+
+
+def _check_lightning_version(loader: DataLoader, package: str, version: str) -> None:
+    """Warn (once per loader) when Lightning is not a release the fit-loop view was tested with."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    low, high = TESTED_LIGHTNING
+    if match is not None and low <= (int(match[1]), int(match[2])) < high:
+        return
+    tested = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    _warn_lightning(loader, "version", (
+        f"zephon DataLoader under {package} {version}: to save the position of the batch the "
+        f"training step received, this loader reads private parts of Lightning's fit loop, "
+        f"tested with lightning{tested}; with another release the position saved in "
+        "checkpoints may be off by the batch(es) Lightning prefetched. Use "
+        "zephon_torch.lightning.ZephonDataModule, which relies on a public hook only, or a "
+        f"tested Lightning (pip install 'lightning{tested}')"
+    ))
+
+
+def _warn_lightning(loader: DataLoader, key: str, message: str) -> None:
+    given = _WARNED.setdefault(loader, set())
+    if key in given:
+        return
+    given.add(key)
+    # Named: the caller of DataLoader.state_dict(), seven frames up (state_dict, _fit_view,
+    # fit_loop_view, _read_fit_loop, the check, this function).
+    warnings.warn(message, RuntimeWarning, stacklevel=7)
+
+
+def _is_fit_loop(obj: object) -> bool:
+    return any(cls.__name__ == "_FitLoop" and cls.__module__ in _FIT_LOOP_MODULES
+               for cls in type(obj).__mro__)
+

@@ -10,8 +10,11 @@ r`` (:func:`owned_lanes`); the rank and world size are explicit, else those
 of an initialised ``torch.distributed`` group, else ``RANK`` and
 ``WORLD_SIZE`` from the environment, else 0 and 1 (:func:`resolve_topology`).
 
-**torch DataLoader workers.** Worker ``w`` of ``N`` takes ``rank_lanes[w::N]``
-(:func:`worker_lanes`); torch's loader asks its workers round-robin, so with
+**Workers.** Worker ``w`` of ``N`` takes the rank's lanes at positions ``w,
+w + N, ...``, ``rank_lanes[w::N]`` (:func:`deal_lanes`): the lane workers of
+``runner="lanes"`` and of ``zephon_torch.DataLoader`` (:func:`lane_shares`),
+and the worker processes of a plain torch ``DataLoader`` over a pipeline
+(:func:`worker_lanes`). torch's loader asks its workers round-robin, so with
 four lanes and two workers::
 
     worker 0: lanes 0, 2   -> 0 2 0 2 ...
@@ -29,7 +32,8 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-__all__ = ["owned_lanes", "resolve_topology", "worker_info", "worker_lanes"]
+__all__ = ["deal_lanes", "lane_shares", "owned_lanes", "resolve_topology", "warn_idle_workers",
+           "worker_info", "worker_lanes"]
 
 
 def resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -76,6 +80,42 @@ def owned_lanes(num_lanes: int, rank: int, world_size: int,
     return [lane for lane in range(num_lanes) if lane % world_size == rank]
 
 
+def deal_lanes(rank_lanes: Sequence[int], num_workers: int) -> list[list[int]]:
+    """Worker ``w``'s lanes for each of ``num_workers`` workers: ``rank_lanes[w::num_workers]``.
+
+    Dealing by position keeps every worker's share a round-robin of its own,
+    so that the main process's round-robin over the rank's lanes asks the
+    workers in turn. A worker beyond the number of lanes gets none.
+    """
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    return [list(rank_lanes[w::num_workers]) for w in range(num_workers)]
+
+
+def lane_shares(rank_lanes: Sequence[int], num_workers: int, *, stacklevel: int = 3
+                ) -> list[list[int]]:
+    """The non-empty shares of :func:`deal_lanes`, warning once when workers go without.
+
+    Used where the workers are ours to start (``runner="lanes"``): a worker
+    that would own no lane is not started at all.
+    """
+    shares = deal_lanes(rank_lanes, num_workers)
+    if num_workers > len(rank_lanes):
+        warn_idle_workers(num_workers, len(rank_lanes), stacklevel)
+    return [share for share in shares if share]
+
+
+def warn_idle_workers(num_workers: int, num_lanes: int, stacklevel: int) -> None:
+    """The warning for workers beyond a rank's lanes (``stacklevel`` as ``warnings.warn``
+    would take it in the caller of this function)."""
+    warnings.warn(
+        f"{num_workers} workers but this rank owns {num_lanes} lane(s): "
+        f"{num_workers - num_lanes} worker(s) get no lane and do nothing; use at most "
+        f"{num_lanes} workers or build the pipeline with more lanes",
+        RuntimeWarning, stacklevel=stacklevel + 1,
+    )
+
+
 def worker_info() -> tuple[int, int] | None:
     """``(worker_id, num_workers)`` inside a torch DataLoader worker, else None.
 
@@ -113,10 +153,5 @@ def worker_lanes(num_lanes: int, rank: int | None = None, world_size: int | None
     rank, world_size = resolve_topology(rank, world_size)
     rank_lanes = owned_lanes(num_lanes, rank, world_size, lanes)
     if num_workers > len(rank_lanes) and worker_id == 0:  # one warning, not one per worker
-        warnings.warn(
-            f"the DataLoader has {num_workers} workers but this rank owns {len(rank_lanes)} "
-            f"lane(s): {num_workers - len(rank_lanes)} worker(s) will yield nothing; use at "
-            f"most {len(rank_lanes)} workers or build the pipeline with more lanes",
-            RuntimeWarning, stacklevel=3,
-        )
-    return rank_lanes[worker_id::num_workers]
+        warn_idle_workers(num_workers, len(rank_lanes), 3)
+    return deal_lanes(rank_lanes, num_workers)[worker_id]

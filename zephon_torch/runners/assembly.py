@@ -1,14 +1,17 @@
 """The assembly of a run: stage contexts, micro-batch sizes, pools, stages, the engine.
 
-``PipelineIterator`` builds its run from these pieces. The pools live as
-long as the iterator; the stages (with their accumulators) and the engine
-are made again whenever a state is loaded::
+``PipelineIterator`` builds its run from these pieces, and so does each
+lane worker of ``runner="lanes"`` (``lanes.py``) for the lanes it owns. The
+pools live as long as the iterator; the stages (with their accumulators) and
+the engine are made again whenever a state is loaded::
 
+    source config -> make_schedule
     compiled plan -> stage_contexts -> make_pools (local pool; Ray pool for
                                                    remote stages)
-                                    -> make_stages (one Stage per compiled stage,
-                                                    block mode decided here)
-                                    -> make_engine (source emitter + stages)
+                                    -> make_run: make_stages (one Stage per compiled
+                                                   stage, block mode decided here)
+                                                 + the source emitter (resumed)
+                                                 + make_engine
 
 Nothing here changes an output byte: micro-batch sizes and pools decide
 only how the work is cut and where it runs.
@@ -16,19 +19,23 @@ only how the work is cut and where it runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from zephon_torch.checkpoint import ReplayFilter
 from zephon_torch.ops.base import OpContext, Operator
 from zephon_torch.ops.fused import parts_of
 from zephon_torch.ops.placement import placement_options
 from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
 from zephon_torch.runners.engine import Engine, Stage
 from zephon_torch.sources.emitter import SourceEmitter
-from zephon_torch.sources.schedule import WorkSchedule
+from zephon_torch.sources.schedule import Chunk, WorkSchedule
 
-__all__ = ["make_engine", "make_pools", "make_stages", "microbatch_size", "remote_stages",
-           "stage_contexts"]
+if TYPE_CHECKING:
+    from zephon_torch.runners.resume import ResumePlan
+
+__all__ = ["Run", "make_engine", "make_pools", "make_run", "make_schedule", "make_stages",
+           "microbatch_size", "remote_stages", "stage_contexts"]
 
 #: Smallest default micro-batch of an elementwise stage under the process runner.
 _PROCESS_MICROBATCH = 512
@@ -41,6 +48,15 @@ _PROCESS_MICROBATCH = 512
 _IN_FLIGHT_PER_WORKER = 4
 _IN_FLIGHT_EXTRA = 8
 _TOKEN_PRODUCERS = frozenset({"tokenize", "tokenize_chat", "pack_flat", "pack_sequences"})
+
+
+def make_schedule(source: Any) -> WorkSchedule:
+    """The work schedule of a pipeline's source config (every rank computes the same one)."""
+    return WorkSchedule(
+        source.datasets, chunk_size=source.chunk_size, num_lanes=source.num_lanes,
+        seed=source.seed, passes=source.passes, shuffle=source.shuffle, weights=source.weights,
+        exhausted=source.exhausted,
+    )
 
 
 def stage_contexts(source: Any, schedule: WorkSchedule, compiled: Sequence[Any], *,
@@ -152,6 +168,48 @@ def make_stages(compiled: Sequence[Any], ctxs: Sequence[OpContext], *, remote: S
         stages.append(Stage(i, c.name, c.op, acc, pool, local=local, stalls=stalls,
                             blocks=blocks))
     return stages
+
+
+class Run(NamedTuple):
+    """The per-run half of an iterator: stages with fresh accumulators, emitter, engine."""
+
+    stages: list[Stage]
+    emitter: SourceEmitter
+    engine: Engine
+    replay_filter: Stage  # the planner's replay filter, whose accumulator drops replays
+
+
+def make_run(source: Any, schedule: WorkSchedule, compiled: Sequence[Any],
+             ctxs: Sequence[OpContext], *, lanes: Sequence[int], flush_every: int,
+             plan: ResumePlan | None, replay_targets: dict[int, tuple[tuple, int, int]],
+             on_chunk: Callable[[Chunk], None], on_drop: Callable[[Any], None],
+             remote: Sequence[int], pool: Pool, ray_pool: Any, runner: str,
+             deterministic: bool, num_workers: int) -> Run:
+    """Stages, source emitter and engine for ``lanes``, started afresh or as ``plan`` says.
+
+    Args:
+        source: The pipeline's source config.
+        plan: Where a resumed run starts (``resume.plan_resume``), or None.
+        replay_targets: The replay filter's targets (from the same ``plan_resume``).
+        on_chunk: Called with every chunk the emitter emits (the books register it).
+        on_drop: Called with every replayed row the replay filter drops.
+    """
+    replay_filter = next(c.op for c in compiled if isinstance(c.op, ReplayFilter))
+    replay_filter.targets = replay_targets  # read by the accumulator make_stages creates
+    replay_filter.on_drop = on_drop
+    stages = make_stages(compiled, ctxs, remote=remote, pool=pool, ray_pool=ray_pool,
+                         runner=runner, deterministic=deterministic)
+    emitter = SourceEmitter(
+        schedule, source.datasets, lanes=lanes, flush_every=flush_every, on_chunk=on_chunk,
+        start=None if plan is None else plan.start,
+        lane_next={} if plan is None else plan.lane_next,
+        replay=[] if plan is None else plan.replay,
+    )
+    if plan is not None and plan.start is None:
+        emitter.finished = True  # every lane's stream had ended
+    engine = make_engine(emitter, stages, deterministic=deterministic, num_workers=num_workers)
+    return Run(stages, emitter, engine,
+               next(s for s in stages if isinstance(s.op, ReplayFilter)))
 
 
 def make_engine(emitter: SourceEmitter, stages: list[Stage], *, deterministic: bool,

@@ -15,6 +15,11 @@ tombstones and flush sentinels are accounted there (every input sample is
 either delivered inside some output or closed by a tombstone) and dropped.
 Saving and loading a position (``state_dict``/``load_state_dict``) go
 through ``resume.py``.
+
+With ``runner="lanes"`` the engine is a :class:`~zephon_torch.runners.lanes.LaneRun`:
+worker processes run the whole pipeline of their share of the lanes and
+ship, per lane and in order, what this loop would have taken from its own
+engine; everything here stays the same (see ``lanes.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,22 +40,22 @@ import numpy as np
 from zephon_torch import logs
 from zephon_torch.accounting import Accounting, Throughput
 from zephon_torch.block import Block, Sentinel
-from zephon_torch.checkpoint import ReplayFilter, fingerprint_parts, refuse_nondeterministic
+from zephon_torch.checkpoint import fingerprint_parts, refuse_nondeterministic
 from zephon_torch.epochs import check_epoch, check_state_epoch, epoch_pipeline
 from zephon_torch.logs import log_end, log_resume, log_skips, log_start, log_throughput
 from zephon_torch.runners import resume
 from zephon_torch.runners.assembly import (
-    make_engine,
     make_pools,
-    make_stages,
+    make_run,
+    make_schedule,
     remote_stages,
     stage_contexts,
 )
 from zephon_torch.runners.base import Pool
+from zephon_torch.runners.lanes import Finished, LaneJob, LaneRun
 from zephon_torch.sources.base import thread_bytes_read
-from zephon_torch.sources.emitter import SourceEmitter
-from zephon_torch.sources.schedule import Chunk, WorkSchedule
-from zephon_torch.topology import owned_lanes, resolve_topology
+from zephon_torch.sources.schedule import Chunk
+from zephon_torch.topology import lane_shares, owned_lanes, resolve_topology
 from zephon_torch.types import SampleBatch, SampleRecord
 from zephon_torch.vocab import FLUSH_SENTINEL_TAG, TOMBSTONE_TAG
 
@@ -58,9 +63,13 @@ if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
 
 # resolve_topology (and owned_lanes) live in topology.py; they stay importable from here.
-__all__ = ["PipelineIterator", "resolve_topology"]
+__all__ = ["ITER_KWARGS", "RUNNERS", "PipelineIterator", "resolve_topology"]
 
-_RUNNERS = ("inline", "threads", "process")
+#: The runners ``Pipeline.iter`` takes.
+RUNNERS = ("inline", "threads", "process", "lanes")
+#: The keyword arguments of ``Pipeline.iter`` (the torch wrappers check theirs against it).
+ITER_KWARGS = ("runner", "num_workers", "deterministic", "rank", "world_size",
+               "microbatch_sizes", "lanes", "verify", "task_timeout", "epoch")
 #: Records handed over between two settlements of a lane's accounting.
 _SETTLE_EVERY = 256
 #: Bad samples named in the skip warning.
@@ -72,10 +81,13 @@ class PipelineIterator:
 
     Args:
         pipeline: The pipeline.
-        runner: ``"inline"``, ``"threads"`` (default) or ``"process"``.
-            Stages placed with ``placement="remote"`` run on Ray actors
-            whatever the runner (``runners/ray.py``).
-        num_workers: Workers per pool (default: up to 4, the CPU count).
+        runner: ``"inline"``, ``"threads"`` (default), ``"process"`` or
+            ``"lanes"``. Stages placed with ``placement="remote"`` run on
+            Ray actors whatever the runner (``runners/ray.py``), except under
+            ``"lanes"``, which refuses them.
+        num_workers: Workers per pool (default: up to 4, the CPU count); with
+            ``runner="lanes"`` the lane worker processes (default: as many,
+            at most one per lane of the rank).
         deterministic: Release results in sequence order (the default);
             False allows completion order and latency-bound flushes, and
             then the iterator cannot checkpoint (:meth:`state_dict` and
@@ -97,6 +109,12 @@ class PipelineIterator:
             pipeline's order as ever. ``None`` (default): 0, or the epoch of
             the state :meth:`load_state_dict` loads; an explicit epoch refuses
             a state of another epoch.
+        finish: With ``runner="lanes"``: called in the lane worker on each
+            batch; the caller then receives a
+            :class:`~zephon_torch.runners.lanes.Finished` (``zephon_torch.DataLoader``
+            runs ``to_training`` there). Not a ``Pipeline.iter`` argument.
+        prefetch: With ``runner="lanes"``: messages each worker may produce
+            ahead of the consumer (default ``lanes.DEFAULT_PREFETCH``).
     """
 
     def __init__(
@@ -112,41 +130,54 @@ class PipelineIterator:
         lanes: Sequence[int] | None = None,
         verify: bool = False,
         task_timeout: float | None = None,
+        finish: Callable[[SampleBatch], Any] | None = None,
+        prefetch: int | None = None,
         epoch: int | None = None,
     ) -> None:
-        if runner not in _RUNNERS:
-            raise ValueError(f"unknown runner {runner!r}; use one of {list(_RUNNERS)}")
+        if runner not in RUNNERS:
+            raise ValueError(f"unknown runner {runner!r}; use one of {list(RUNNERS)}")
         if task_timeout is not None and runner != "process":
             raise ValueError(
                 f"task_timeout={task_timeout!r} needs runner='process' (only a worker process "
                 f"can be stopped; a thread cannot), got runner={runner!r}"
             )
         self.task_timeout = task_timeout
-        if num_workers is None:
-            num_workers = max(1, min(4, os.cpu_count() or 1))
-        if not isinstance(num_workers, int) or num_workers < 1:
+        if (finish is not None or prefetch is not None) and runner != "lanes":
+            raise ValueError(f"finish= and prefetch= apply to runner='lanes', got runner="
+                             f"{runner!r}")
+        if num_workers is not None and (not isinstance(num_workers, int)
+                                        or isinstance(num_workers, bool) or num_workers < 1):
             raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
-        if runner == "process" and multiprocessing.current_process().daemon:
+        if runner in ("process", "lanes") and multiprocessing.current_process().daemon:
             warnings.warn(
-                "runner='process' inside a daemonic process (a torch DataLoader worker) cannot "
-                "start worker processes; falling back to runner='inline'",
+                f"runner={runner!r} inside a daemonic process (a torch DataLoader worker) "
+                "cannot start worker processes; falling back to runner='inline'",
                 RuntimeWarning, stacklevel=3,
             )
             runner = "inline"
         self.pipeline = pipeline
         self.runner = runner
-        self.num_workers = num_workers
         self.deterministic = deterministic
         self.verify = bool(verify)
+        self._microbatch_sizes = microbatch_sizes
+        self._finish = finish
+        self._prefetch = prefetch
         src = pipeline.source
         self.rank, self.world_size = resolve_topology(rank, world_size)
         self.lanes = owned_lanes(src.num_lanes, self.rank, self.world_size, lanes)
+        default_workers = max(1, min(4, os.cpu_count() or 1))
+        if runner == "lanes":
+            if num_workers is None:
+                num_workers = min(default_workers, len(self.lanes))
+            # Workers beyond the rank's lanes would own none: they are not started.
+            self._shares = lane_shares(self.lanes, num_workers, stacklevel=4)
+        self.num_workers = default_workers if num_workers is None else num_workers
         self._closed = False
         self._pool: Pool | None = None
         self._ray_pool: Pool | None = None
+
         # The epoch asked for (None: 0 until a loaded state says otherwise).
         self._epoch_asked = None if epoch is None else check_epoch(epoch)
-        self._microbatch_sizes = microbatch_sizes
         self._prepare(self._epoch_asked or 0)
         self.flush_every = pipeline.flush_every()
         self._fingerprint = pipeline.fingerprint()
@@ -167,6 +198,9 @@ class PipelineIterator:
         self._datasets = list(src.datasets)
         self._started = False
         self._loaded: Mapping[str, Any] = {"lanes": {}}
+        # A state was loaded and nothing has been handed out since: the loaded state,
+        # narrowed to our lanes, is the position (see state_dict).
+        self._at_loaded = False
         self._build()
         log_start(self)
 
@@ -178,19 +212,25 @@ class PipelineIterator:
         self._pool = self._ray_pool = None
         self.epoch = epoch
         run = epoch_pipeline(self.pipeline, epoch)  # the seeds of this epoch
+        self._epoch_run = run  # what lane workers run
         src = run.source
-        self.schedule = WorkSchedule(
-            src.datasets, chunk_size=src.chunk_size, num_lanes=src.num_lanes, seed=src.seed,
-            passes=src.passes, shuffle=src.shuffle, weights=src.weights,
-            exhausted=src.exhausted,
-        )
+        self.schedule = make_schedule(src)
         self._compiled = run.compile(self._microbatch_sizes)
         self.stage_names = [c.name for c in self._compiled]
+        # Stages placed on Ray: their own pool; the local pool gets a stand-in for each.
+        self._remote = remote_stages(self._compiled)
+        if self.runner == "lanes":
+            if self._remote:
+                raise ValueError(
+                    f"runner='lanes' runs every stage in the lane workers, but stage(s) "
+                    f"{[self.stage_names[i] for i in self._remote]} are placed on Ray "
+                    "(placement='remote'); use runner='threads' or 'process' for them"
+                )
+            self._ctxs: list[Any] = []  # the workers make their own
+            return
         self._ctxs = stage_contexts(src, self.schedule, self._compiled, lanes=self.lanes,
                                     rank=self.rank, world_size=self.world_size,
                                     runner=self.runner)
-        # Stages placed on Ray: their own pool; the local pool gets a stand-in for each.
-        self._remote = remote_stages(self._compiled)
         self._pool, self._ray_pool = make_pools(
             self._compiled, self._ctxs, self._remote, runner=self.runner,
             num_workers=self.num_workers, task_timeout=self.task_timeout)
@@ -212,32 +252,69 @@ class PipelineIterator:
         self._owed: dict[int, list[Any]] = {lane: [] for lane in self.lanes}
         self._rr = 0
         self._ended: set[int] = set()
-        replay_filter = next(c.op for c in self._compiled if isinstance(c.op, ReplayFilter))
-        replay_filter.targets = {}
-        replay_filter.on_drop = self._on_replay_drop
+        src = self.pipeline.source
+        targets: dict[int, tuple[tuple, int, int]] = {}
         plan = None
         if state is not None:
             plan = resume.plan_resume(
-                state, lanes=self.lanes, num_lanes=self.pipeline.source.num_lanes,
-                accounting=self.accounting, replay_targets=replay_filter.targets)
+                state, lanes=self.lanes, num_lanes=src.num_lanes,
+                accounting=self.accounting, replay_targets=targets)
             self._pace = Throughput(self.accounting, logs.THROUGHPUT_INTERVAL)  # from here
             self._rr = plan.round_robin
-        self.stages = make_stages(
-            self._compiled, self._ctxs, remote=self._remote, pool=self._pool,
-            ray_pool=self._ray_pool, runner=self.runner, deterministic=self.deterministic)
-        self._replay_filter_stage = next(
-            s for s in self.stages if isinstance(s.op, ReplayFilter))
-        self.emitter = SourceEmitter(
-            self.schedule, self.pipeline.source.datasets, lanes=self.lanes,
-            flush_every=self.flush_every,
-            on_chunk=self._on_chunk, start=None if plan is None else plan.start,
-            lane_next={} if plan is None else plan.lane_next,
-            replay=[] if plan is None else plan.replay,
-        )
-        if plan is not None and plan.start is None:
-            self.emitter.finished = True  # every lane's stream had ended
-        self.engine = make_engine(self.emitter, self.stages, deterministic=self.deterministic,
-                                  num_workers=self.num_workers)
+        if self.runner == "lanes":
+            self._build_lanes(state, plan, targets)
+            return
+        run = make_run(
+            src, self.schedule, self._compiled, self._ctxs, lanes=self.lanes,
+            flush_every=self.flush_every, plan=plan, replay_targets=targets,
+            on_chunk=self._on_chunk, on_drop=self._on_replay_drop, remote=self._remote,
+            pool=self._pool, ray_pool=self._ray_pool, runner=self.runner,
+            deterministic=self.deterministic, num_workers=self.num_workers)
+        self.stages = run.stages
+        self.emitter: Any = run.emitter
+        self.engine: Any = run.engine
+        replay_acc = run.replay_filter.acc
+        self._replaying = replay_acc.pending_lanes  # type: ignore[attr-defined]
+
+    def _build_lanes(self, state: Mapping[str, Any] | None, plan: resume.ResumePlan | None,
+                     targets: dict[int, tuple[tuple, int, int]]) -> None:
+        """The run of ``runner="lanes"``: lane workers instead of stages and an emitter."""
+        previous = getattr(self, "engine", None)
+        if previous is not None:  # a load after start(): those workers ran the old position
+            previous.close()
+        view = resume.ScheduleView(self.schedule, None if plan is None else plan.start,
+                                   () if plan is None else plan.replay,
+                                   ended=plan is not None and plan.start is None)
+
+        def on_chunk(chunk: Chunk) -> None:
+            view.registered(chunk)
+            self._on_chunk(chunk)
+
+        jobs = [LaneJob(pipeline=self._epoch_run, lanes=tuple(share), rank=self.rank,
+                        world_size=self.world_size, microbatch_sizes=self._microbatch_sizes,
+                        deterministic=self.deterministic, state=state, finish=self._finish)
+                for share in self._shares]
+        run = LaneRun(jobs, on_chunk=on_chunk, on_drop=self._on_replay_drop,
+                      replaying=set(targets), stage_names=self.stage_names,
+                      **({} if self._prefetch is None else {"prefetch": self._prefetch}))
+        self.stages = []
+        self.emitter = view
+        self.engine = run
+        self._replaying = run.pending_lanes
+
+    def start(self) -> None:
+        """Start the run's worker processes now rather than at the first ``next()``.
+
+        Only ``runner="lanes"`` has processes of its own per run; for the others
+        this does nothing. ``zephon_torch.DataLoader`` calls it on the thread that
+        iterates, so that the workers are forked from there.
+        """
+        if self.runner == "lanes" and not self._closed:
+            self.engine.start()
+
+    def worker_pids(self) -> list[int]:
+        """The pids of this run's lane workers (``runner="lanes"``; tests and diagnostics)."""
+        return self.engine.pids() if self.runner == "lanes" else []
 
     @property
     def progress(self) -> Accounting:
@@ -286,6 +363,7 @@ class PipelineIterator:
             queues = self._queues
             while True:
                 if len(self._ended) == len(lanes):
+                    self._at_loaded = False  # the position is the end now
                     self.close()  # release the workers now, not at garbage collection
                     if self.verify:
                         from zephon_torch.checks import assert_conserved
@@ -301,14 +379,20 @@ class PipelineIterator:
                 if lane in self._ended:
                     self._rr = (self._rr + 1) % len(lanes)
                     continue
-                if not self._pump():
-                    for other in lanes:
+                if not self._pump(lane):
+                    # The engine has ended: every lane, or under runner="lanes" the
+                    # lanes of the worker that owns this one.
+                    ending = self.engine.lanes_of(lane) if self.runner == "lanes" else lanes
+                    for other in ending:
                         if not queues[other] and other not in self._ended:
                             self._settle(other)
                             self._ended.add(other)
                             self.accounting.lane_ended(other)
 
     def _deliver(self, lane: int, queue: deque[Any]) -> Any:
+        # Every first item after a pump comes through here (the fast path in __next__
+        # needs a queue that a pump filled), so the loaded position ends here.
+        self._at_loaded = False
         self._rr = (self._rr + 1) % len(self.lanes)
         item = queue.popleft()
         if type(item) is SampleRecord and not item.meta.tags:
@@ -318,7 +402,8 @@ class PipelineIterator:
                 self._settle(lane)
         else:  # a batch or a tagged record: settle what came before, then count it
             self._settle(lane)
-            self.accounting.delivered(lane, item)
+            # A batch finished in its lane worker counts as the batch it carries.
+            self.accounting.delivered(lane, item.batch if type(item) is Finished else item)
         if queue and type(queue[0]) is SampleRecord and queue[0].meta.tags:
             self._drain_sentinels(lane, queue)
         return item
@@ -347,11 +432,13 @@ class PipelineIterator:
         while queue and type(queue[0]) is SampleRecord and queue[0].meta.is_flush_sentinel:
             self.accounting.sentinel(lane, queue.popleft().meta.chunk_id)
 
-    def _pump(self) -> bool:
+    def _pump(self, lane: int | None = None) -> bool:
+        """Advance the engine until some output is ready (under ``runner="lanes"``: the
+        next message of ``lane``'s worker); False once it has ended."""
         before = thread_bytes_read()
         began = time.monotonic()
         try:
-            alive = self.engine.pump()
+            alive = self.engine.pump(lane) if self.runner == "lanes" else self.engine.pump()
         except BaseException:
             self.close()
             raise
@@ -457,10 +544,11 @@ class PipelineIterator:
         if not self.checkpointable:
             raise refuse_nondeterministic("state_dict()")
         with self._exclusive():
+            if self._at_loaded:  # nothing handed out since the load: that is the position
+                return resume.narrow_state(self._loaded, self.lanes)
             self._settle_all()
             lanes = resume.lane_entries(
-                self.accounting, self.lanes, self._loaded,
-                self._replay_filter_stage.acc.pending_lanes(), self.emitter,
+                self.accounting, self.lanes, self._loaded, self._replaying(), self.emitter,
                 self.pipeline.source.num_lanes)
             round_robin = {"lanes": list(self.lanes), "index": self._rr}
         return resume.make_state(deterministic=True, parts=self._parts(),
@@ -533,6 +621,7 @@ class PipelineIterator:
                     "from the beginning; resume from another checkpoint"
                 ) from exc
             self._loaded = state
+            self._at_loaded = True
             log_resume(self, sum(len(state["lanes"][str(lane)]["window"])
                                  for lane in self.lanes))
 
@@ -574,7 +663,8 @@ class PipelineIterator:
             report = self.accounting.report(replayed)
             report["bytes_read"] = self._bytes_read()
             report["bad_samples"] = self.accounting.bad_samples()
-            report["stages"] = {stage.name: dict(stage.counters) for stage in self.stages}
+            report["stages"] = (self.engine.counters() if self.runner == "lanes" else
+                                {stage.name: dict(stage.counters) for stage in self.stages})
             report["replayed_samples"] = self.emitter.replayed
             report["replayed_by_lane"] = dict(replayed)
             report["throughput"] = self._pace.report()
@@ -603,6 +693,8 @@ class PipelineIterator:
         """Bytes read from storage since the run started (None: not knowable here)."""
         if self._remote:  # Ray workers read where nothing counts them
             return None
+        if self.runner == "lanes":  # every read happens in the workers; they count it
+            return self.engine.bytes_read
         total = self._driver_bytes
         for now, then in zip(self._pool_bytes_now(), self._pool_bytes_base):
             if now is None or then is None:

@@ -10,7 +10,11 @@
 * :func:`plan_resume`: what a loaded state means for a new run: where each
   lane's progress starts, the replay targets of the replay filter, the
   windows the source emits again, the emitter's first chunk and the
-  round-robin position.
+  round-robin position;
+* :func:`narrow_state`: the part of a state that concerns some lanes (a
+  rank's, a worker's), still a valid state;
+* :class:`ScheduleView`: what a state needs to know of the source emitter,
+  for an iterator whose emitters run in lane workers (``runner="lanes"``).
 
 The state format itself, its checks and the replay filter are in
 ``checkpoint.py``.
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from zephon_torch.accounting import Accounting
 from zephon_torch.checkpoint import (
@@ -30,14 +34,26 @@ from zephon_torch.checkpoint import (
     lane_state,
     state_checksum,
 )
-from zephon_torch.sources.emitter import SourceEmitter
-from zephon_torch.sources.schedule import ScheduleState
+from zephon_torch.sources.schedule import Chunk, ScheduleState, WorkSchedule
 
-__all__ = ["ResumePlan", "checked_state", "lane_entries", "make_state", "plan_resume"]
+__all__ = ["ResumePlan", "ScheduleView", "checked_state", "lane_entries", "make_state",
+           "narrow_state", "plan_resume"]
+
+
+class EmitterView(Protocol):
+    """What :func:`lane_entries` asks of the source emitter (or a :class:`ScheduleView`)."""
+
+    finished: bool
+
+    def pending_replay(self, global_chunk: int) -> ScheduleState | None:
+        """The start state of a chunk still to be replayed, if it is one."""
+
+    def state_of(self, global_chunk: int) -> ScheduleState | None:
+        """The schedule state at a chunk not emitted yet (None: past the end)."""
 
 
 def lane_entries(accounting: Accounting, lanes: Sequence[int], loaded: Mapping[str, Any],
-                 replaying: set[int], emitter: SourceEmitter,
+                 replaying: set[int], emitter: EmitterView,
                  num_lanes: int) -> dict[str, dict[str, Any]]:
     """Each lane's entry of a state, after the last item handed to the caller.
 
@@ -155,3 +171,103 @@ def plan_resume(state: Mapping[str, Any], *, lanes: Sequence[int], num_lanes: in
         index = outputs.index(min(outputs))
     start = min(starts, key=lambda s: s.global_chunk) if starts else None
     return ResumePlan(start, lane_next, replay, index)
+
+
+def narrow_state(state: Mapping[str, Any], lanes: Sequence[int]) -> dict[str, Any]:
+    """The part of ``state`` that concerns ``lanes``, with a fresh checksum.
+
+    ``state`` may hold more lanes than ``lanes`` (a merged global state, a
+    rank's state seen by one of its workers); lanes it lacks are simply not
+    there. The round-robin position is kept when it was saved for exactly
+    these lanes; otherwise it is dropped, and loading recomputes it from
+    per-lane progress, as it did when ``state`` itself was loaded.
+    """
+    keys = {str(lane) for lane in lanes}
+    if set(state["lanes"]) <= keys:
+        return dict(state)
+    narrowed = {k: v for k, v in state.items() if k != "checksum"}
+    narrowed["lanes"] = {k: v for k, v in state["lanes"].items() if k in keys}
+    rr = state.get("round_robin")
+    if not (isinstance(rr, Mapping) and rr.get("lanes") == sorted(int(k) for k in keys)):
+        narrowed["round_robin"] = None
+    narrowed["checksum"] = state_checksum(narrowed)
+    return narrowed
+
+
+class ScheduleView:
+    """The emitter's part of a state, for an iterator whose emitters run elsewhere.
+
+    Under ``runner="lanes"`` each lane worker runs a source emitter over its
+    own lanes, and the main process keeps the books. A state still needs what
+    :func:`lane_entries` asks the emitter: the schedule state of a lane's next
+    chunk when that chunk has not been registered yet (still to be replayed,
+    or new). Those are pure functions of the schedule, so this view answers
+    them from the chunks the books registered: a chunk's state is found by
+    advancing the schedule from the nearest state known before it (a chunk
+    registered for some lane, or where the run started), which is at most
+    ``num_lanes`` chunks back once every lane has registered one.
+
+    It also counts the replayed chunks, as the emitter does for ``stats()``.
+
+    Args:
+        schedule: The work schedule.
+        start: Where the run's emitters start (None: the schedule's start,
+            or, with ``ended``, nowhere: every lane had ended).
+        replay: The start states of the chunks replayed first after a resume.
+        ended: Every lane's stream had ended in the loaded state.
+    """
+
+    def __init__(self, schedule: WorkSchedule, start: ScheduleState | None,
+                 replay: Sequence[ScheduleState] = (), *, ended: bool = False) -> None:
+        self.schedule = schedule
+        self.num_lanes = schedule.num_lanes
+        self.finished = ended
+        self._start = start if start is not None else schedule.initial_state()
+        self._latest: dict[int, ScheduleState] = {}  # per lane: its last registered chunk
+        self._pending = {s.global_chunk: s for s in replay}
+        self._answers: dict[int, ScheduleState | None] = {}
+        self.replayed = 0
+        self.replayed_by_lane: dict[int, int] = {}
+
+    def registered(self, chunk: Chunk) -> None:
+        """A chunk the books registered (in the order its lane's chunks were emitted)."""
+        start = chunk.start
+        g = start.global_chunk
+        if self._pending.pop(g, None) is not None:
+            lane = chunk.lane_id
+            self.replayed += len(chunk)
+            self.replayed_by_lane[lane] = self.replayed_by_lane.get(lane, 0) + len(chunk)
+        latest = self._latest.get(chunk.lane_id)
+        if latest is None or latest.global_chunk < g:
+            self._latest[chunk.lane_id] = start
+        self._answers.pop(g, None)
+
+    def pending_replay(self, global_chunk: int) -> ScheduleState | None:
+        """The start state of a chunk still waiting to be replayed, if it is one."""
+        return self._pending.get(global_chunk)
+
+    def state_of(self, global_chunk: int) -> ScheduleState | None:
+        """The schedule state at a global chunk not yet registered (None: past the end)."""
+        pending = self._pending.get(global_chunk)
+        if pending is not None:
+            return pending
+        if global_chunk in self._answers:
+            return self._answers[global_chunk]
+        base = self._start
+        for known in self._latest.values():
+            if base.global_chunk < known.global_chunk <= global_chunk:
+                base = known
+        if base.global_chunk > global_chunk:  # before anything known: walk from the start
+            base = self.schedule.initial_state()
+        state: ScheduleState | None = base
+        advance = self.schedule.advance
+        while state is not None and state.global_chunk < global_chunk:
+            components, state = advance(state)
+            if components is None:
+                state = None
+        if state is not None and advance(state)[0] is None:
+            state = None  # the chunk itself is past the end
+        if len(self._answers) > 4 * self.num_lanes:  # a few frontiers per lane at most
+            self._answers.clear()
+        self._answers[global_chunk] = state
+        return state

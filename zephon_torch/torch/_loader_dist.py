@@ -1,4 +1,4 @@
-"""Distributed helpers for ``zephon_torch.DataLoader``: the per-step vote and the gather group.
+"""Distributed helpers for ``zephon_torch.DataLoader``: the per-step vote and the state gather.
 
 With ``on_uneven="stop"``, before handing a batch over, every rank says
 whether it has one; an ``all_reduce(MIN)`` turns that into "everyone has
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepVote", "in_group", "vote_group"]
+__all__ = ["StepVote", "gather", "in_group", "vote_group"]
 
 
 _GROUPS: dict[int, Any] = {}  # default group id -> gloo group used for votes and gathers
@@ -55,6 +55,22 @@ def vote_group() -> Any:
             _GROUPS[key] = "default"
     group = _GROUPS[key]
     return None if group == "default" else group
+
+
+def gather(value: Any, rank: int, world_size: int) -> list[Any] | None:
+    """Every rank's ``value`` (a collective, over the gloo group), or None when this
+    topology is not the initialized distributed group's (see :func:`in_group`).
+
+    The loader's ``state_dict(gather=True)`` and ``ZephonDataModule.state_dict()``
+    gather their ranks' positions through here.
+    """
+    if not in_group(rank, world_size):
+        return None
+    import torch.distributed as dist
+
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=vote_group())
+    return values
 
 
 class StepVote:

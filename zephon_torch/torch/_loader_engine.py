@@ -13,8 +13,13 @@ the engine has produced ahead.
 Two producers, one loop (:func:`run_pipeline`):
 
 * :class:`InProcessProducer` runs the iterator on the loader's prefetch
-  thread (``in_process=True``, for debugging);
-* :class:`EngineProcess` runs it in a process of its own, so the training
+  thread: the inline runner (``num_workers=0``), the lane workers
+  (``runner="lanes"``, the default with workers: the workers run each
+  lane's pipeline and ``to_training`` and ship finished tensors through
+  shared memory, see ``runners/lanes.py``), or any runner with
+  ``in_process=True``;
+* :class:`EngineProcess` runs it in a process of its own, for the
+  stage-parallel runners (``"threads"``, ``"process"``), so the training
   process keeps its GIL. Only finished batches cross over::
 
     training process                               engine process (spawned, non-daemonic)
@@ -65,6 +70,7 @@ control pipe (or a broken data pipe) and exits.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import pickle
@@ -78,10 +84,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from zephon_torch.runners import shm
+from zephon_torch.runners.lanes import Finished
 from zephon_torch.runners.process import WorkerTraceback, describe_exit
 from zephon_torch.runners.wire import exception_parts, revived_exception
 
-__all__ = ["EngineProcess", "EngineSpec", "InProcessProducer", "run_pipeline"]
+__all__ = ["EngineProcess", "EngineSpec", "InProcessProducer", "finish_batch", "open_iterator",
+           "run_pipeline"]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _CREDIT = b"c"
@@ -117,21 +125,55 @@ class EngineSpec:
     to_training: Mapping[str, Any] | None
 
 
-def run_pipeline(spec: EngineSpec) -> Iterator[tuple]:
-    """The producer loop: ``("batch", payload, state)`` events, then ``("end", state)``.
+def finish_batch(kwargs: Mapping[str, Any], batch: Any) -> Any:
+    """``batch.to_training(**kwargs)``, its tensors as arrays for the trip out of a lane
+    worker (``runners/lanes.py``: a worker runs this on each batch)."""
+    return _encode(batch.to_training(**kwargs))
 
-    The iterator is closed (its workers joined) when the generator ends or is closed.
+
+def open_iterator(spec: EngineSpec) -> Any:
+    """The pipeline iterator of ``spec``, with its state loaded.
+
+    Under ``runner="lanes"`` the lane workers run ``to_training`` themselves
+    (:func:`finish_batch`) and are started here, on the calling thread.
     """
-    it = spec.pipeline.iter(**spec.iter_kwargs)
+    from zephon_torch.runners.iterator import PipelineIterator
+
+    kwargs = dict(spec.iter_kwargs)
+    if kwargs.get("runner") == "lanes" and spec.to_training is not None:
+        kwargs["finish"] = functools.partial(finish_batch, dict(spec.to_training))
+    it = PipelineIterator(spec.pipeline, **kwargs)
     try:
         if spec.state is not None:
             it.load_state_dict(spec.state)
+        it.start()
+    except BaseException:
+        it.close()
+        raise
+    return it
+
+
+def run_pipeline(spec: EngineSpec, it: Any = None) -> Iterator[tuple]:
+    """The producer loop: ``("batch", payload, state)`` events, then ``("end", state)``.
+
+    Args:
+        spec: What to run.
+        it: The iterator, when :func:`open_iterator` made it already.
+
+    The iterator is closed (its workers joined) when the generator ends or is closed.
+    """
+    if it is None:
+        it = open_iterator(spec)
+    try:
         kwargs = spec.to_training
         # deterministic=False cannot checkpoint: no state travels (None), and the
         # loader's state_dict() raises saying why.
         state_of = it.state_dict if it.checkpointable else lambda: None
         for item in it:
-            payload = item if kwargs is None else item.to_training(**kwargs)
+            if type(item) is Finished:  # to_training ran in its lane worker
+                payload = _decode(item.payload)
+            else:
+                payload = item if kwargs is None else item.to_training(**kwargs)
             yield ("batch", payload, state_of())
         yield ("end", state_of())
     finally:
@@ -139,22 +181,55 @@ def run_pipeline(spec: EngineSpec) -> Iterator[tuple]:
 
 
 class InProcessProducer:
-    """Runs :func:`run_pipeline` on the calling (prefetch) thread."""
+    """Runs :func:`run_pipeline` on the calling (prefetch) thread.
+
+    Under ``runner="lanes"`` the iterator is made, and its workers started,
+    when the producer is: on the thread that starts the iteration (the
+    training loop's), so that forking happens there, and the workers start
+    while the prefetch thread is being set up.
+    """
 
     def __init__(self, spec: EngineSpec) -> None:
         self._spec = spec
         self._events: Any = None
+        self._iterator: Any = None
+        if spec.iter_kwargs.get("runner") == "lanes":
+            self._iterator = open_iterator(spec)
+
+    @property
+    def pid(self) -> int | None:
+        """No engine process: None."""
+        return None
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the lane workers (none for the other runners)."""
+        return [] if self._iterator is None else self._iterator.worker_pids()
+
+    def describe_wait(self) -> tuple[str, int]:
+        """What a caller waiting for a batch waits for, and the pid to look at."""
+        if self._iterator is not None:
+            worker = self._iterator.engine.waiting_on
+            if worker is not None:
+                return f"the loader's {worker.describe()}", worker.process.pid
+            return ("the loader's lane workers (pids "
+                    f"{', '.join(map(str, self.worker_pids()))}), through its prefetch thread",
+                    os.getpid())
+        return ("the pipeline on the loader's prefetch thread (in_process=True or "
+                f"num_workers=0: in this process, pid {os.getpid()})", os.getpid())
 
     def events(self) -> Iterator[tuple]:
         """The events, produced here and now."""
-        self._events = run_pipeline(self._spec)
+        self._events = run_pipeline(self._spec, self._iterator)
         return self._events
 
     def credit(self) -> None:
         """No flow control is needed: the prefetch queue bounds this producer."""
 
     def close(self) -> None:
-        """Nothing to stop: the generator is closed by the thread that runs it."""
+        """Stop the lane workers now (from any thread); the generator is closed by the
+        thread that runs it."""
+        if self._iterator is not None:
+            self._iterator.close()
 
 
 # --------------------------------------------------------------------------- transport

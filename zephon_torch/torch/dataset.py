@@ -32,10 +32,9 @@ checkpoint (per-worker states nested inside torchdata's own dict) into one
 global pipeline state, for ``pipe.iter().load_state_dict`` or any other
 worker count.
 
-Between a load and the first item the live iterator hands out, its own
-``state_dict()`` does not yet describe the loaded position (it would restart
-the replay windows), so the wrapper answers with the loaded state itself,
-narrowed to the iterator's lanes (see :class:`LiveIterator`).
+Between a load and the first item the live iterator hands out, its
+``state_dict()`` is the loaded state itself, narrowed to the iterator's
+lanes (``PipelineIterator`` keeps that position; nothing here does).
 
 **One iteration at a time.** The dataset has one position, so it runs one
 iteration at a time. An iteration is *in progress* from its first item
@@ -60,8 +59,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch.utils.data
 
-from zephon_torch.checkpoint import merge_states, state_checksum
+from zephon_torch.checkpoint import merge_states
 from zephon_torch.pipeline import Pipeline
+from zephon_torch.runners.iterator import ITER_KWARGS
 from zephon_torch.topology import owned_lanes, resolve_topology, worker_lanes
 
 if TYPE_CHECKING:
@@ -69,24 +69,35 @@ if TYPE_CHECKING:
 
 __all__ = ["LiveIterator", "TorchIterableDataset", "merged_state"]
 
-_ITER_KWARGS = frozenset({"runner", "num_workers", "deterministic", "rank", "world_size",
-                          "microbatch_sizes", "lanes", "verify", "task_timeout"})
 _STATE_KEYS = frozenset({"version", "fingerprint", "lanes", "checksum"})
 
 
-def check_iter_kwargs(iter_kwargs: Mapping[str, Any]) -> None:
-    """Raise ValueError for a keyword ``Pipeline.iter`` does not take."""
-    unknown = sorted(set(iter_kwargs) - _ITER_KWARGS)
+def check_iter_kwargs(iter_kwargs: Mapping[str, Any], owner: str = "Pipeline.iter",
+                      allowed: Sequence[str] = ITER_KWARGS) -> None:
+    """Raise ValueError for a keyword ``Pipeline.iter`` (or ``allowed``) does not take."""
+    unknown = sorted(set(iter_kwargs) - set(allowed))
     if unknown:
-        raise ValueError(
-            f"unknown iter() argument(s) {unknown}; Pipeline.iter takes {sorted(_ITER_KWARGS)}"
-        )
+        raise ValueError(f"unknown iter() argument(s) {unknown}; {owner} takes {sorted(allowed)}")
+
+
+def pipeline_of(owner: str, value: Any) -> Pipeline:
+    """The pipeline a torch wrapper was given: a ``Pipeline``, or ``pipe.to_torch_dataset()``.
+
+    Raises:
+        TypeError: ``value`` is neither (named with ``owner``, the wrapper).
+    """
+    if isinstance(value, Pipeline):
+        return value
+    inner = getattr(value, "pipeline", None)  # pipe.to_torch_dataset()
+    if isinstance(inner, Pipeline):
+        return inner
+    raise TypeError(f"{owner} takes a zephon_torch.Pipeline (or pipe.to_torch_dataset()), got "
+                    f"{type(value).__name__}; for other datasets use torch's own classes")
 
 
 def checked_pipeline(owner: str, pipeline: Any, iter_kwargs: Mapping[str, Any]) -> Pipeline:
     """The common constructor checks of the torch wrappers: a Pipeline and valid kwargs."""
-    if not isinstance(pipeline, Pipeline):
-        raise TypeError(f"{owner} wraps a zephon_torch.Pipeline, got {type(pipeline).__name__}")
+    pipeline = pipeline_of(owner, pipeline)
     check_iter_kwargs(iter_kwargs)
     return pipeline
 
@@ -96,40 +107,20 @@ def is_pipeline_state(value: Any) -> bool:
     return isinstance(value, Mapping) and set(value) >= _STATE_KEYS
 
 
-def narrow_state(state: Mapping[str, Any], lanes: Sequence[int]) -> dict[str, Any]:
-    """The part of ``state`` that concerns ``lanes``, with a fresh checksum.
-
-    The round-robin position is kept when it was saved for exactly these
-    lanes; otherwise it is dropped, and loading recomputes it from per-lane
-    progress, as it did when ``state`` itself was loaded.
-    """
-    keys = {str(lane) for lane in lanes}
-    if set(state["lanes"]) == keys:
-        return dict(state)
-    narrowed = {k: v for k, v in state.items() if k != "checksum"}
-    narrowed["lanes"] = {k: v for k, v in state["lanes"].items() if k in keys}
-    rr = state.get("round_robin")
-    if not (isinstance(rr, Mapping) and rr.get("lanes") == sorted(int(k) for k in keys)):
-        narrowed["round_robin"] = None
-    narrowed["checksum"] = state_checksum(narrowed)
-    return narrowed
-
-
 class LiveIterator:
-    """A :class:`PipelineIterator` that knows its resume state until it moves.
+    """A :class:`PipelineIterator` and whether it has started handing out items.
 
     Deliberately not "stateful" in torchdata's sense (no ``state_dict`` /
     ``load_state_dict``): the dataset answers for it, so a loader saves the
-    position once, not twice.
+    position once, not twice. The position itself is the iterator's
+    ``state_dict()`` (the loaded state until the first item).
 
     Args:
-        iterator: A fresh iterator, with ``resume`` already loaded if given.
-        resume: The state loaded into it, or None.
+        iterator: A fresh iterator, with its resume state already loaded if any.
     """
 
-    def __init__(self, iterator: PipelineIterator, resume: Mapping[str, Any] | None) -> None:
+    def __init__(self, iterator: PipelineIterator) -> None:
         self.iterator = iterator
-        self._resume = None if resume is None else narrow_state(resume, iterator.lanes)
         self.pid = os.getpid()
         self.handed = 0  # items handed out
         self.ended = False  # ran out, raised, or closed
@@ -143,7 +134,6 @@ class LiveIterator:
         except BaseException:
             self.ended = True
             raise
-        self._resume = None  # from now on the iterator's own state is the truth
         self.handed += 1
         return item
 
@@ -154,8 +144,6 @@ class LiveIterator:
 
     def position(self) -> dict[str, Any]:
         """The state after the last item handed out (the resume state before any)."""
-        if self._resume is not None:
-            return dict(self._resume)
         # torchdata snapshots after every item: under deterministic=False a state that
         # refuses to load (and a warning) rather than an error that stops the iteration.
         return self.iterator.state_for_snapshot()
@@ -273,7 +261,7 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
             except BaseException:
                 iterator.close()
                 raise
-        handle.live = self._live = LiveIterator(iterator, pending)
+        handle.live = self._live = LiveIterator(iterator)
         self._owner = weakref.ref(handle)
 
     def _take_over(self, handle: _DatasetIterator) -> None:

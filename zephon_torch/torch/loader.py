@@ -13,47 +13,58 @@ restores its position like torchdata's ``StatefulDataLoader``::
         if step % 1000 == 0:
             save({"model": ..., "data": loader.state_dict(gather=True)})
 
-How one iteration is laid out (``in_process=False``, the default)::
+How one iteration is laid out (``num_workers=N >= 1``, the default runner ``"lanes"``)::
 
-    engine process (spawned)             training process
-    ────────────────────────             ──────────────────────────────────────────────
-    PipelineIterator + pool of           prefetch thread               main thread
-    num_workers processes                ───────────────               ───────────
-    to_training, state_dict()   ─shm──►  read + unlink the segment
-                                         pin, .to(device, non_blocking)
-                                         on a side CUDA stream
-                                         queue (prefetch_factor) ────► [vote: all ranks
-                                                                        have a batch?]
-                                                                       keep its state
-                                                                       yield the batch
+    lane worker w of N (forked)           training process
+    ───────────────────────────           ─────────────────────────────────────────────────
+    the pipeline of lanes w, w+N, ...     prefetch thread                main thread
+    (source to batch), to_training        ───────────────                ───────────
+    tensors -> one shm segment  ─shm──►   read + unlink the segment
+                                          round-robin over the lanes,
+                                          the books, state_dict()
+                                          pin, .to(device, non_blocking)
+                                          on a side CUDA stream
+                                          queue (prefetch_factor) ────►  [vote: all ranks
+                                                                          have a batch?]
+                                                                         keep its state
+                                                                         yield the batch
 
-* **Where the work happens.** The pipeline's accumulators and its worker
-  pool run in a process of their own (see ``_loader_engine.py``), so the
-  training loop keeps its GIL; only finished batches cross over, their
-  arrays through shared memory. ``num_workers`` is the size of the
-  process runner's pool there (``0``: the inline runner, in the engine
-  process), not torch's worker processes. ``in_process=True`` runs the
-  iterator on the prefetch thread instead, for debugging.
+* **Where the work happens.** ``num_workers`` is the number of *lane
+  workers*, as torch's worker processes are: worker ``w`` owns the rank's
+  lanes at positions ``w, w + N, ...`` and runs their whole pipeline and
+  ``to_training`` (``runners/lanes.py``); the main process only merges
+  finished batches in the fixed lane order and keeps the position, so the
+  batches are the same bytes as ``pipe.iter(runner="inline")`` for any
+  ``N``. Workers are forked where torch forks its own (Linux), so a script
+  that works with torch's loader needs no ``if __name__ == "__main__":``;
+  elsewhere they are spawned (see ``runners/lanes.py``). ``num_workers=0``
+  runs the pipeline in this process, on the prefetch thread (the inline
+  runner). ``runner="process"`` (or ``"threads"``) runs the stage-parallel
+  runner instead, in a spawned *engine process* of its own (see
+  ``_loader_engine.py``): the better choice for a pipeline with fewer lanes
+  than workers and heavy stages. ``in_process=True`` keeps that engine in
+  this process too, for debugging.
 * **Overlap.** A prefetch thread holds up to ``prefetch_factor`` placed
   batches: while the caller trains on batch ``n``, batch ``n+1`` is read,
   pinned and copied with ``non_blocking=True`` on a side CUDA stream; the
   caller's stream waits for that copy (an event, not a host sync) when the
   batch is handed over, and ``record_stream`` keeps the caching allocator
   from reusing its memory early.
-* **State per batch.** Every batch travels with the iterator's state right
+* **State per batch.** Every batch comes with the iterator's state right
   after it. The loader keeps the state of the last batch *handed to the
-  caller*, so :meth:`DataLoader.state_dict` never counts what was only
-  prefetched, and loading it into a fresh loader continues exactly.
+  caller* (:class:`Position`), so :meth:`DataLoader.state_dict` never counts
+  what was only prefetched (by the prefetch thread, or by the workers), and
+  loading it into a fresh loader, with any ``num_workers``, continues exactly.
 * **Under Lightning.** ``Trainer.fit`` fetches one batch ahead of the
   training step and saves the train loader's ``state_dict()`` in its
   checkpoints. When that call comes from within Lightning's fit loop, the
-  loader asks the loop's fetcher how many handed batches it still holds
-  and answers with the state from before them (it remembers the states of
-  its last few batches); once Lightning's epoch is over, it answers the
-  start, where the next epoch's iteration begins. Under Lightning's DDP the
-  checkpoint's state is gathered from every rank, each having answered for
-  its own fetcher (Lightning builds checkpoints on every rank, and rank 0
-  writes them). See ``_lightning_view``.
+  loader answers with the position before the batches Lightning's fetcher
+  still holds (:class:`Position` remembers the states of its last few
+  batches); once Lightning's epoch is over, it answers the start, where the
+  next epoch's iteration begins. Under Lightning's DDP the checkpoint's
+  state is gathered from every rank. How the fit loop is read lives in
+  ``zephon_torch/lightning.py`` (``fit_loop_view``), consulted only when
+  Lightning is imported.
 * **Uneven ranks.** Ranks may own different numbers of lanes, and lanes end
   at different times. With ``on_uneven="stop"`` and an initialized
   ``torch.distributed`` group, the main thread takes one vote per step
@@ -86,18 +97,19 @@ How one iteration is laid out (``in_process=False``, the default)::
   :meth:`DataLoader.load_state_dict` ends an iteration in progress, whose
   next ``next()`` then raises a ``RuntimeError`` rather than ending quietly.
 * **Timeout.** ``timeout=`` (seconds, as in torch) bounds the wait for
-  each batch in ``next()``; when it passes, the iteration ends, its engine
-  process is stopped, and a ``RuntimeError`` names the process that did
-  not deliver (the engine's pid, or the prefetch thread in process).
-* **Lifetime.** The engine process and its pool start at the iteration's
-  first ``next()`` (a bare ``iter()``, such as Lightning's check that the
-  loader is iterable, starts nothing and leaves a loaded state in place).
-  They stop when the iteration ends, when its iterator is closed
-  (``close()``, a ``break`` followed by garbage collection, an exception
-  leaving the ``for`` loop), when the loader is closed (``close()``,
-  ``with``), and at interpreter exit (a
-  ``multiprocessing`` finalizer that runs before ``multiprocessing`` joins
-  its non-daemonic children).
+  each batch in ``next()``; when it passes, the iteration ends, its
+  processes are stopped, and a ``RuntimeError`` names the process that did
+  not deliver (the lane worker waited for, the engine's pid, or the
+  prefetch thread in process).
+* **Lifetime.** The workers (or the engine process and its pool) start at
+  the iteration's first ``next()`` (a bare ``iter()``, such as Lightning's
+  check that the loader is iterable, starts nothing and leaves a loaded
+  state in place). They stop when the iteration ends, when its iterator is
+  closed (``close()``, a ``break`` followed by garbage collection, an
+  exception leaving the ``for`` loop), when the loader is closed
+  (``close()``, ``with``), and at interpreter exit (a ``multiprocessing``
+  finalizer that runs before ``multiprocessing`` joins its non-daemonic
+  children).
 """
 
 from __future__ import annotations
@@ -108,9 +120,7 @@ import inspect
 import math
 import multiprocessing
 import multiprocessing.util
-import os
 import queue
-import re
 import sys
 import threading
 import time
@@ -118,31 +128,37 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zephon_torch.checkpoint import (
-    check_state,
-    merge_states,
-    refuse_nondeterministic,
-    state_checksum,
-)
+from zephon_torch.checkpoint import check_state, merge_states, refuse_nondeterministic
 from zephon_torch.pipeline import Pipeline
-from zephon_torch.topology import owned_lanes, resolve_topology
-from zephon_torch.torch._loader_dist import StepVote, in_group, vote_group
+from zephon_torch.runners.assembly import remote_stages
+from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
+from zephon_torch.runners.resume import narrow_state
+from zephon_torch.topology import owned_lanes, resolve_topology, warn_idle_workers
+from zephon_torch.torch._loader_dist import StepVote
+from zephon_torch.torch._loader_dist import gather as gather_states
 from zephon_torch.torch._loader_engine import (
     EngineProcess,
     EngineSpec,
     InProcessProducer,
 )
 from zephon_torch.torch._loader_place import Placer, with_index
+from zephon_torch.torch.dataset import pipeline_of
 from zephon_torch.types import SampleBatch
 
-__all__ = ["DataLoader"]
+if TYPE_CHECKING:
+    from zephon_torch.lightning import FitView
 
-_RUNNERS = ("inline", "threads", "process")
-_ITER_KWARGS = ("deterministic", "microbatch_sizes", "lanes", "verify", "task_timeout")
+__all__ = ["DataLoader", "Position"]
+
+# The loader's own arguments cover these; the rest of Pipeline.iter's pass through.
+_ITER_KWARGS = tuple(k for k in ITER_KWARGS
+                     if k not in ("runner", "num_workers", "rank", "world_size"))
+#: Runners that run in an engine process of their own (unless in_process=True).
+_ENGINE_RUNNERS = ("threads", "process")
 _UNEVEN = ("stop", "continue")
 # Arguments of torch's DataLoader that have no meaning here, and what to do instead.
 _TORCH_ONLY = {
@@ -155,9 +171,10 @@ _TORCH_ONLY = {
     "shuffle": "shuffle in the pipeline with .shuffle(buffer_size, seed=...)",
     "drop_last": "use .batch(microbatch_size, drop_last=...) in the pipeline",
     "worker_init_fn": "per-worker set-up belongs in an operator's setup(ctx)",
-    "multiprocessing_context": "the engine and its workers are always spawned",
+    "multiprocessing_context": "lane workers are forked where torch forks its own (Linux), "
+                               "else spawned; set ZEPHON_LANES_START_METHOD=spawn to choose",
     "generator": "randomness is a pure function of the pipeline's seeds and the data",
-    "persistent_workers": "the engine process lives for one iteration (one epoch)",
+    "persistent_workers": "the workers live for one iteration (one epoch)",
     "pin_memory_device": "pass device= (tensors are pinned, then copied there)",
     "in_order": "pass deterministic=False for completion order",
 }
@@ -165,10 +182,8 @@ _POLL = 0.1  # seconds between liveness checks while a thread waits on a queue
 # States kept of the last batches handed over, to answer for a consumer that holds some
 # of them unused (Lightning's fetcher holds one).
 _REMEMBERED = 8
-_FIT_LOOP_MODULES = ("lightning.pytorch.loops.fit_loop", "pytorch_lightning.loops.fit_loop")
-# The Lightning releases whose fit loop _lightning_view was tested with (>= first, < second);
-# the "lightning" extra of pyproject.toml pins the same range.
-TESTED_LIGHTNING = ((2, 2), (2, 7))
+# Modules whose presence means a Lightning fit loop may be on the stack.
+_LIGHTNING = ("lightning.pytorch", "pytorch_lightning")
 
 
 # --------------------------------------------------------------------------- the loader
@@ -180,8 +195,11 @@ class DataLoader:
     Args:
         pipeline: A :class:`~zephon_torch.Pipeline` (ending in ``.batch(n)``
             unless ``to_training=False``).
-        num_workers: Worker processes of the process runner (``0``: the
-            inline runner). Not torch's worker processes.
+        num_workers: Worker processes, as torch's: with the default runner,
+            lane workers, each running the whole pipeline and ``to_training``
+            for the rank's lanes at positions ``w, w + N, ...`` (``0``: the
+            pipeline runs in this process, on the prefetch thread); with
+            ``runner="process"``, the stage-parallel pool's size.
         to_training: ``None``: ``batch.to_training()`` with its defaults; a
             dict: its keyword arguments; ``False``: yield the
             :class:`~zephon_torch.SampleBatch` itself.
@@ -190,35 +208,41 @@ class DataLoader:
         pin_memory: Pin tensors before copying (``None``: pin when
             ``device`` is a CUDA device). Ignored, with a warning, without CUDA.
         prefetch_factor: Batches the prefetch thread prepares (pins, copies
-            to ``device``) ahead of the caller; the engine process may also
-            have ``prefetch_factor * max(1, num_workers)`` finished batches
-            in transit in shared memory (torch's "per worker" meaning).
-        runner: ``"inline"``, ``"threads"`` or ``"process"`` (default:
-            ``"process"`` when ``num_workers > 0``, else ``"inline"``).
-        in_process: Run the pipeline in the training process (on the
-            prefetch thread) instead of an engine process; for debugging.
+            to ``device``) ahead of the caller; each worker may also have
+            about ``prefetch_factor`` finished batches per lane it owns in
+            transit in shared memory (torch's "per worker" meaning; the
+            engine process of ``runner="process"``
+            ``prefetch_factor * max(1, num_workers)``).
+        runner: ``"lanes"`` (the default when ``num_workers > 0``; with
+            ``task_timeout``, ``"process"``), ``"inline"`` (the default for
+            ``num_workers=0``), or the stage-parallel ``"threads"`` or
+            ``"process"``, which run in an engine process.
+        in_process: Run a stage-parallel runner's engine in the training
+            process (on the prefetch thread) instead of an engine process;
+            for debugging. The other runners always run there.
         on_uneven: ``"stop"``: under an initialized ``torch.distributed``
             group every rank stops when the first runs out; ``"continue"``:
             each rank runs to its own end. No effect without distributed.
         rank, world_size: The topology (default: ``torch.distributed`` when
             initialized, else ``RANK``/``WORLD_SIZE``, else 0 and 1).
         timeout: Seconds ``next()`` waits for a batch before it ends the
-            iteration with a ``RuntimeError`` naming the engine process (as
-            torch's ``timeout``; ``0``, the default: wait as long as the
-            engine lives). The first batch's wait includes the engine's
-            start-up (a spawn and its imports, seconds).
+            iteration with a ``RuntimeError`` naming the process it waited
+            for (as torch's ``timeout``; ``0``, the default: wait as long as
+            the workers live). The first batch's wait includes the start-up.
         **iter_kwargs: More ``Pipeline.iter`` arguments (``deterministic``,
-            ``microbatch_sizes``, ``lanes``).
+            ``microbatch_sizes``, ``lanes``, ``verify``, ``task_timeout``).
 
     Raises:
         TypeError: An argument of torch's DataLoader that does not apply
             here (``batch_size``, ``collate_fn``, ...), or an unknown one.
         ValueError: A bad value.
 
-    The engine process and the pool's workers are *spawned*, so they
-    re-import the training script: keep its work under
-    ``if __name__ == "__main__":`` (as for torch's loader with ``spawn``).
-    Operators, user functions included, reach the engine through cloudpickle.
+    Lane workers are forked on Linux (as torch's workers are), so a script
+    needs no ``if __name__ == "__main__":``; where they are spawned (macOS,
+    Windows, ``ZEPHON_LANES_START_METHOD=spawn``), and for the engine process
+    of ``runner="process"``, the script is re-imported: keep its work under
+    the guard (as for torch's loader with ``spawn``). Operators, user
+    functions included, then travel by cloudpickle.
     """
 
     def __init__(
@@ -245,9 +269,10 @@ class DataLoader:
                 "batch_size; pass the other options by keyword"
             )
         _check_kwargs(iter_kwargs)
-        self.pipeline = _as_pipeline(pipeline)
+        self.pipeline = pipeline_of("zephon_torch.DataLoader", pipeline)
         self.num_workers = _check_num_workers(num_workers)
-        self.runner = _resolve_runner(runner, self.num_workers)
+        self.runner = _resolve_runner(runner, self.num_workers, iter_kwargs.get("task_timeout"),
+                                      self.pipeline)
         self.to_training = _check_to_training(to_training, self.pipeline)
         self.device = None if device is None else torch.device(device)
         self.pin_memory = _resolve_pin(pin_memory, self.device)
@@ -269,11 +294,12 @@ class DataLoader:
         self.timeout = timeout
         self.iter_kwargs = dict(iter_kwargs)
         self._fingerprint = self.pipeline.fingerprint()
-        self._position = _Position()
+        self._position = Position()
+        self._warned_idle = False  # more lane workers than lanes: said once
+        self._lightning_warned = False  # zephon_torch.lightning not importable: said once
         self._loaded: dict[str, Any] | None = None  # waits for the next iteration
         # The current iteration's iterator (held weakly: a dropped iterator ends its run).
         self._active: weakref.ref[_LoaderIterator] | None = None
-        self._lightning_warned: set[str] = set()  # warnings about Lightning given once
 
     @property
     def timeout(self) -> float:
@@ -348,9 +374,20 @@ class DataLoader:
                        **self.iter_kwargs}
         # The core's default pool size when a runner was named with num_workers=0.
         iter_kwargs["num_workers"] = self.num_workers or None
+        if self.runner == "lanes" and self.num_workers:
+            num_lanes = len(self._own_lanes())
+            if self.num_workers > num_lanes:
+                if not self._warned_idle:  # once per loader, at the caller's next()
+                    self._warned_idle = True
+                    warn_idle_workers(self.num_workers, num_lanes, stacklevel=4)
+                iter_kwargs["num_workers"] = max(1, num_lanes)  # warned here, not again
+            # As torch's prefetch_factor batches per worker: here per lane a worker owns
+            # (a worker's messages carry its lanes' batches in turn).
+            per_worker = -(-num_lanes // self.num_workers)
+            iter_kwargs["prefetch"] = self.prefetch_factor * max(1, per_worker)
         spec = EngineSpec(pipeline=self.pipeline, iter_kwargs=iter_kwargs, state=state,
                           to_training=self.to_training)
-        in_process = self.in_process
+        in_process = self.in_process or self.runner not in _ENGINE_RUNNERS
         if not in_process and multiprocessing.current_process().daemon:
             warnings.warn(
                 "zephon DataLoader inside a daemonic process cannot start its engine process; "
@@ -418,30 +455,44 @@ class DataLoader:
         """
         if not self.checkpointable:
             raise refuse_nondeterministic("DataLoader.state_dict()")
-        view = _lightning_view(self)
+        view = _fit_view(self)
         local = self._local_state(view)
         if gather is None:
             gather = view is not None and view.saving
-        if gather and in_group(*resolve_topology(self.rank, self.world_size)):
-            import torch.distributed as dist
+        states = gather and gather_states(local, *resolve_topology(self.rank, self.world_size))
+        return merge_states(states) if states else local
 
-            states: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(states, local, group=vote_group())
-            return merge_states(states)
-        return local
-
-    def _local_state(self, view: _FitView | None = None) -> dict[str, Any]:
+    def _local_state(self, view: FitView | None = None) -> dict[str, Any]:
         """This rank's state; ``view``: what Lightning's fit loop holds, under Lightning."""
+        if view is None:
+            return self._state_before(0)
+        return self._state_before(view.held, epoch_over=view.epoch_over)
+
+    def _state_before(self, held: int, *, epoch_over: bool = False) -> dict[str, Any]:
+        """This rank's state before the last ``held`` batches handed over.
+
+        Args:
+            held: Batches a consumer (Lightning's fetcher, a ``ZephonDataModule``
+                stream) took from the loader and has not used yet.
+            epoch_over: The consumer has used the iteration's last batch: the
+                next iteration starts from the beginning.
+
+        Raises:
+            NotCheckpointableError: The loader runs with ``deterministic=False``.
+            RuntimeError: ``held`` goes back further than :class:`Position` remembers.
+        """
+        if not self.checkpointable:
+            raise refuse_nondeterministic("DataLoader.state_dict()")
         if self._loaded is not None:
             state: dict[str, Any] | None = self._loaded
-        elif view is None:
-            state = self._position.state
+        elif epoch_over and not held:
+            state = None  # the next iteration (iter() again) starts from the beginning
         else:
-            # Lightning's next epoch calls iter() again, which starts from the beginning.
-            state = (None if view.epoch_over and not view.held
-                     else self._position.before(view.held))
+            state = self._position.before(held)
         if state is not None:
-            return self._narrow(copy.deepcopy(state))  # the caller may edit what it gets
+            # Only this rank's lanes of a (possibly merged) state, so that gathers merge;
+            # a copy, which the caller may edit.
+            return narrow_state(copy.deepcopy(state), self._own_lanes())
         return self._fresh_state()
 
     def _own_lanes(self) -> list[int]:
@@ -449,24 +500,12 @@ class DataLoader:
         return owned_lanes(self.pipeline.source.num_lanes, rank, world_size,
                            self.iter_kwargs.get("lanes"))
 
-    def _narrow(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Only this rank's lanes of a (possibly merged) state, so that gathers merge."""
-        keys = {str(lane) for lane in self._own_lanes()}
-        if set(state["lanes"]) <= keys:
-            return state
-        narrowed = {k: v for k, v in state.items() if k != "checksum"}
-        narrowed["lanes"] = {k: v for k, v in state["lanes"].items() if k in keys}
-        rr = state.get("round_robin")
-        if not (isinstance(rr, Mapping) and rr.get("lanes") == sorted(int(k) for k in keys)):
-            narrowed["round_robin"] = None  # recomputed from per-lane progress on load
-        narrowed["checksum"] = state_checksum(narrowed)
-        return narrowed
-
     def _fresh_state(self) -> dict[str, Any]:
         """The state of an iterator that has not started (built inline, here)."""
         rank, world_size = resolve_topology(self.rank, self.world_size)
-        it = self.pipeline.iter(runner="inline", rank=rank, world_size=world_size,
-                                **self.iter_kwargs)
+        # A state needs no workers: no task_timeout (which only the process runner takes).
+        kwargs = {k: v for k, v in self.iter_kwargs.items() if k != "task_timeout"}
+        it = self.pipeline.iter(runner="inline", rank=rank, world_size=world_size, **kwargs)
         try:
             return it.state_dict()
         finally:
@@ -504,13 +543,20 @@ class DataLoader:
         self.close()
 
     def __repr__(self) -> str:
-        where = "in process" if self.in_process else "engine process"
+        engine = self.runner in _ENGINE_RUNNERS and not self.in_process
+        where = "engine process" if engine else "in process"
         return (f"DataLoader({self.pipeline!r}, runner={self.runner!r}, "
                 f"num_workers={self.num_workers}, {where}, device={self.device})")
 
 
-class _Position:
+class Position:
     """The state after the last batch the caller received (shared with the iterator).
+
+    The one record of "the position after the last item handed out" on the
+    torch side: the loader's ``state_dict()``, Lightning's fit loop
+    (``lightning.fit_loop_view``) and the ``ZephonDataModule`` stream read
+    it; the pipeline wrappers (``dataset.py``, ``node.py``) use the
+    iterator's own ``state_dict()``, which is that position already.
 
     It also remembers where the iteration started and the states after its
     last :data:`_REMEMBERED` batches, so that :meth:`before` can answer for a
@@ -564,136 +610,27 @@ class _Position:
         return self.handed[-1 - held]
 
 
-class _FitView(NamedTuple):
-    """What Lightning's fit loop holds of a train loader, when ``state_dict()`` is called."""
+def _fit_view(loader: DataLoader) -> FitView | None:
+    """What Lightning's fit loop holds of ``loader`` when it iterates it (else None).
 
-    held: int  # batches its fetcher took from the loader but the step has not received
-    epoch_over: bool  # the step has received the epoch's last batch
-    saving: bool  # the call comes from the loop's checkpoint dump (on every rank)
-
-
-def _lightning_view(loader: DataLoader) -> _FitView | None:
-    """How Lightning's fit loop stands with ``loader``, when it iterates it (else ``None``).
-
-    Lightning's ``_FitLoop`` saves its train loaders' ``state_dict()`` in a
-    checkpoint (``on_save_checkpoint``), while its ``_PrefetchDataFetcher``
-    already holds the batch after the one the training step received, in
-    ``fetcher.batches``; a ``training_step(dataloader_iter)`` gets a
-    ``_DataLoaderIterDataFetcher``, which holds none. ``fetcher.done`` says
-    that the step has received the epoch's last batch: Lightning's next epoch
-    starts a new iteration. The loop is found on the call stack, by module
-    and class name, so that this module never imports Lightning, and only
-    when ``loader`` is one of its train loaders itself (not, say, the
-    loader inside a ``ZephonDataModule`` stream, which counts for itself).
-
-    These are private names of Lightning (tested with the releases in
-    :data:`TESTED_LIGHTNING`). Where the fit loop is on the stack but one of
-    them is missing or of another type, or Lightning is another release, the
-    loader warns once (``RuntimeWarning``): the saved position may be off by
-    the batches Lightning prefetched, and ``ZephonDataModule`` does not
-    depend on them.
-
-    ``saving`` is true when the innermost fit-loop frame is its
-    ``on_save_checkpoint``: ``Trainer.save_checkpoint`` builds the whole
-    checkpoint (``dump_checkpoint``) on every rank, and only then lets rank
-    0 write it, so a collective is safe there. A call from elsewhere in the
-    fit (a callback, the training step) may come from one rank only.
-
-    Returns:
-        ``None`` when no fit loop on the stack iterates ``loader``.
+    Read by ``zephon_torch.lightning.fit_loop_view``, imported only when
+    Lightning is: without it no fit loop can be on the stack.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__")
-        if module in _FIT_LOOP_MODULES:
-            owner = frame.f_locals.get("self")
-            if owner is not None and _is_fit_loop(owner):
-                saving = frame.f_code.co_name == "on_save_checkpoint"
-                return _read_fit_loop(loader, owner, module.split(".")[0], saving)
-        frame = frame.f_back
-    return None
-
-
-def _read_fit_loop(loader: DataLoader, loop: Any, package: str, saving: bool) -> _FitView | None:
-    """:func:`_lightning_view` of the fit loop ``loop`` (of the Lightning ``package``)."""
-    version = str(getattr(sys.modules.get(package), "__version__", "of unknown version"))
-
-    def unexpected(what: str) -> None:
-        _warn_lightning(loader, "structure", (
-            f"zephon DataLoader under Lightning {version}: its fit loop does not have the "
-            f"structure this loader reads to count the batches Lightning's fetcher took ahead "
-            f"of the training step ({what}), so the position saved in checkpoints may be off "
-            "by the batch(es) Lightning prefetched (a resume would skip them). Use "
-            "zephon_torch.lightning.ZephonDataModule, which counts batches through a public "
-            "hook, instead of passing the loader to Trainer.fit directly"
-        ))
-
-    if not hasattr(loop, "_combined_loader"):
-        unexpected(f"{type(loop).__name__} has no '_combined_loader'")
+    if not any(name in sys.modules for name in _LIGHTNING):
         return None
-    combined = loop._combined_loader
-    if combined is None:
-        return None  # no train loader set up yet: this loader is not one of them
-    flattened = getattr(combined, "flattened", None)
-    if not isinstance(flattened, (list, tuple)):
-        unexpected(f"its combined loader ({type(combined).__name__}) has no 'flattened' list")
+    try:
+        from zephon_torch.lightning import fit_loop_view
+    except ImportError as exc:  # pytorch_lightning alone: zephon_torch.lightning needs lightning
+        if not loader._lightning_warned:
+            loader._lightning_warned = True
+            warnings.warn(
+                f"zephon DataLoader under pytorch_lightning: the position saved while "
+                f"Trainer.fit iterates this loader may be off by the batch(es) Lightning "
+                f"prefetched, because zephon_torch.lightning, which reads the fit loop, "
+                f"cannot be imported ({exc}); install the lightning package "
+                f"(pip install 'zephon-torch[lightning]')", RuntimeWarning, stacklevel=3)
         return None
-    if not any(dl is loader for dl in flattened):
-        return None
-    _check_lightning_version(loader, package, version)
-    if not hasattr(loop, "_data_fetcher"):
-        unexpected(f"{type(loop).__name__} has no '_data_fetcher'")
-        return _FitView(0, False, saving)
-    fetcher = loop._data_fetcher
-    if fetcher is None:
-        return _FitView(0, False, saving)  # between fits: nothing is held
-    kinds = {cls.__name__ for cls in type(fetcher).__mro__}
-    done = getattr(fetcher, "done", None)
-    if not isinstance(done, bool):
-        unexpected(f"{type(fetcher).__name__}.done is {type(done).__name__}, not a bool")
-        done = False
-    batches = getattr(fetcher, "batches", None)
-    if "_DataLoaderIterDataFetcher" in kinds:
-        held = 0  # the step pulls its batches itself: none is held ahead of it
-    elif "_PrefetchDataFetcher" in kinds and isinstance(batches, list):
-        held = len(batches)
-    else:
-        if "_PrefetchDataFetcher" in kinds:
-            unexpected(f"{type(fetcher).__name__}.batches is {type(batches).__name__}, not a "
-                       "list")
-        else:
-            unexpected(f"an unknown data fetcher, {type(fetcher).__name__}")
-        held = len(batches) if isinstance(batches, list) else 0
-    return _FitView(held, done, saving)
-
-
-def _check_lightning_version(loader: DataLoader, package: str, version: str) -> None:
-    """Warn (once per loader) when Lightning is not a release the fit-loop view was tested with."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    low, high = TESTED_LIGHTNING
-    if match is not None and low <= (int(match[1]), int(match[2])) < high:
-        return
-    tested = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
-    _warn_lightning(loader, "version", (
-        f"zephon DataLoader under {package} {version}: to save the position of the batch the "
-        f"training step received, this loader reads private parts of Lightning's fit loop, "
-        f"tested with lightning{tested}; with another release the position saved in "
-        "checkpoints may be off by the batch(es) Lightning prefetched. Use "
-        "zephon_torch.lightning.ZephonDataModule, which relies on a public hook only, or a "
-        f"tested Lightning (pip install 'lightning{tested}')"
-    ))
-
-
-def _warn_lightning(loader: DataLoader, key: str, message: str) -> None:
-    if key in loader._lightning_warned:
-        return
-    loader._lightning_warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=6)  # the caller of state_dict()
-
-
-def _is_fit_loop(obj: object) -> bool:
-    return any(cls.__name__ == "_FitLoop" and cls.__module__ in _FIT_LOOP_MODULES
-               for cls in type(obj).__mro__)
+    return fit_loop_view(loader)
 
 
 # --------------------------------------------------------------------------- validation
@@ -710,18 +647,6 @@ def _check_kwargs(iter_kwargs: Mapping[str, Any]) -> None:
                 f"zephon_torch.DataLoader got an unexpected keyword argument {name!r}; it takes "
                 f"the DataLoader options and Pipeline.iter's {list(_ITER_KWARGS)}"
             )
-
-
-def _as_pipeline(pipeline: Any) -> Pipeline:
-    if isinstance(pipeline, Pipeline):
-        return pipeline
-    inner = getattr(pipeline, "pipeline", None)  # pipe.to_torch_dataset()
-    if isinstance(inner, Pipeline):
-        return inner
-    raise TypeError(
-        f"zephon_torch.DataLoader runs a zephon_torch.Pipeline, got {type(pipeline).__name__}; "
-        "for other datasets use torch.utils.data.DataLoader"
-    )
 
 
 def _check_timeout(timeout: Any) -> float:
@@ -741,11 +666,23 @@ def _check_num_workers(num_workers: Any) -> int:
     return num_workers
 
 
-def _resolve_runner(runner: str | None, num_workers: int) -> str:
+def _resolve_runner(runner: str | None, num_workers: int, task_timeout: Any,
+                    pipeline: Pipeline) -> str:
+    """The runner: as given, else lane workers, else the inline runner for 0 workers.
+
+    The stage-parallel process runner replaces lane workers where they cannot
+    do the job: with ``task_timeout`` (only its pool can stop a hung
+    micro-batch and send it again) and for stages placed on Ray (lane workers
+    run every stage themselves).
+    """
     if runner is None:
-        return "process" if num_workers > 0 else "inline"
-    if runner not in _RUNNERS:
-        raise ValueError(f"unknown runner {runner!r}; use one of {list(_RUNNERS)}")
+        if not num_workers:
+            return "inline"
+        if task_timeout is not None or remote_stages(pipeline.compile()):
+            return "process"
+        return "lanes"
+    if runner not in RUNNERS:
+        raise ValueError(f"unknown runner {runner!r}; use one of {list(RUNNERS)}")
     return runner
 
 
@@ -872,17 +809,20 @@ class _Run:
 
     def _timed_out(self, timeout: float) -> str:
         """The message of a batch that did not come within ``timeout`` seconds."""
-        if isinstance(self.producer, InProcessProducer):
-            who = ("the pipeline on the loader's prefetch thread (in_process=True, in this "
-                   f"process, pid {os.getpid()})")
-            pid = os.getpid()
+        in_process = isinstance(self.producer, InProcessProducer)
+        if in_process:
+            who, pid = self.producer.describe_wait()
         else:
             pid = self.producer.pid
             who = (f"the loader's engine process (pid {pid})" if pid is not None
                    else "the loader's engine process (still starting)")
         where = f"`py-spy dump --pid {pid}` shows where it is; " if pid is not None else ""
-        ended = ("the iteration is ended" if isinstance(self.producer, InProcessProducer)
-                 else "the iteration is ended and the engine stopped")
+        if in_process and self.producer.worker_pids():
+            ended = "the iteration is ended and the workers stopped"
+        elif in_process:
+            ended = "the iteration is ended"
+        else:
+            ended = "the iteration is ended and the engine stopped"
         return (
             f"zephon DataLoader timed out after {timeout:g} seconds waiting for a batch from "
             f"{who}: it is stuck (a deadlock, a read that never returns), stopped (SIGSTOP, a "
@@ -952,6 +892,13 @@ class _LoaderIterator:
     def engine_pid(self) -> int | None:
         """The engine process's pid (None in process, or before it started)."""
         return getattr(self._run.producer, "pid", None) if self._run is not None else None
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The lane workers' pids (none before the run started, or for other runners)."""
+        if self._run is None or not isinstance(self._run.producer, InProcessProducer):
+            return []
+        return self._run.producer.worker_pids()
 
     def __iter__(self) -> _LoaderIterator:
         return self

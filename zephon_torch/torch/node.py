@@ -82,7 +82,7 @@ class PipelineNode(BaseNode[Any]):
             except BaseException:
                 iterator.close()
                 raise
-        self._live = LiveIterator(iterator, initial_state)
+        self._live = LiveIterator(iterator)
 
     def next(self) -> Any:
         """The next item (``SampleBatch`` after ``.batch()``); StopIteration at the end."""

@@ -178,7 +178,10 @@ def test_an_epoch_end_checkpoint_resumes_with_the_next_pass(tmp_path: Path):
     full = _fit(tmp_path, TinyLM(), _dm(passes=1, in_process=True), checkpoint=epochs,
                 max_epochs=2)
     assert len(full.seen) == 96
-    assert full.seen[48:] == full.seen[:48]  # each epoch is the whole pass, same order
+    # Each epoch is the whole pass, in the pipeline's order of that epoch.
+    assert full.seen == [_ids(b.to_training(**TO_TRAINING)) for epoch in range(2)
+                         for b in _pipe(passes=1).iter(runner="inline", epoch=epoch)]
+    assert full.seen[48:] != full.seen[:48]
     saved = torch.load(tmp_path / "epoch=0-step=48.ckpt", weights_only=False)
     assert saved["ZephonDataModule"]["pass_ended"] is True
     resumed = _fit(tmp_path / "r", TinyLM(), _dm(passes=1, in_process=True),

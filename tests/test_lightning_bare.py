@@ -80,9 +80,9 @@ def _states_after(pipe: zt.Pipeline, counts: list[int]) -> dict[int, dict[str, A
     return states
 
 
-def _reference(pipe: zt.Pipeline, n: int) -> list[list[tuple[int, ...]]]:
-    return [_ids(b.to_training(**TO_TRAINING)) for b, _ in zip(pipe.iter(runner="inline"),
-                                                                 range(n))]
+def _reference(pipe: zt.Pipeline, n: int, epoch: int = 0) -> list[list[tuple[int, ...]]]:
+    return [_ids(b.to_training(**TO_TRAINING))
+            for b, _ in zip(pipe.iter(runner="inline", epoch=epoch), range(n))]
 
 
 # --------------------------------------------------------------------------- mid-epoch
@@ -174,12 +174,13 @@ def test_a_checkpoint_at_the_end_of_a_pass_resumes_with_the_next_pass(tmp_path: 
                              save_top_k=-1)
     full = _fit(tmp_path, TinyLM(), _loader(_pipe(passes=1), in_process=True),
                 callbacks=[epochs, _every(tmp_path / "steps", 48)], max_epochs=2)
-    assert len(full.seen) == 96
-    assert full.seen[48:] == full.seen[:48]  # each epoch is the whole pass, same order
-    fresh = _loader(_pipe(passes=1)).state_dict()
+    # Each epoch is the whole pass, in the pipeline's order of that epoch.
+    assert full.seen == _reference(_pipe(passes=1), 48) + _reference(_pipe(passes=1), 48, 1)
+    fresh = _loader(_pipe(passes=1), epoch=1).state_dict()
     for ckpt in (tmp_path / "epoch=0-step=48.ckpt", tmp_path / "steps" / "step=48.ckpt"):
         saved = torch.load(ckpt, weights_only=False)
-        # Lightning's next epoch iterates the loader again, from the start: so does a resume.
+        # Lightning's next epoch iterates the loader again, from the start of the next
+        # epoch: so does a resume.
         assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [fresh]
         resumed = _fit(tmp_path / "r" / ckpt.stem, TinyLM(),
                        _loader(_pipe(passes=1), in_process=True), ckpt_path=ckpt,
@@ -194,8 +195,9 @@ def test_epochs_cut_by_limit_train_batches_restart_the_loader_and_resume_exactly
     kwargs = {"max_epochs": 3, "limit_train_batches": 4}
     full = _fit(tmp_path, TinyLM(), _loader(in_process=True),
                 callbacks=[epochs, _every(tmp_path / "steps", 3)], **kwargs)
-    # As with torch's DataLoader, every Lightning epoch is a new iteration of the loader.
-    assert full.seen == _reference(_pipe(), 4) * 3
+    # As with torch's DataLoader, every Lightning epoch is a new iteration of the loader,
+    # which runs the pipeline's epoch of that number.
+    assert full.seen == [b for epoch in range(3) for b in _reference(_pipe(), 4, epoch)]
     for ckpt in (tmp_path / "epoch=0-step=4.ckpt", tmp_path / "steps" / "step=6.ckpt"):
         resumed = _fit(tmp_path / "r" / ckpt.stem, TinyLM(), _loader(in_process=True),
                        ckpt_path=ckpt, **kwargs)

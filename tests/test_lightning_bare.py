@@ -310,3 +310,29 @@ def test_positions_further_back_than_remembered_are_refused_not_guessed():
     with pytest.raises(RuntimeError, match="has handed over only 20"):
         position.before(21)
     assert position.before(20) is None  # the start of the iteration: the beginning
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_three_trainer_epochs_of_a_bare_loader_run_three_orders_and_resume_mid_epoch_2(
+        tmp_path: Path, num_workers: int):
+    # 24 items in batches of 2: 12 steps an epoch; the checkpoint is 5 steps into epoch 2.
+    pipe = _pipe(passes=1, n=24)
+    full = _fit(tmp_path, TinyLM(), _loader(pipe, num_workers=num_workers),
+                callbacks=[_every(tmp_path, 29)], max_epochs=3)
+    epochs = [_reference(pipe, 12, e) for e in range(3)]
+    assert full.seen == epochs[0] + epochs[1] + epochs[2]
+    assert len({str(e) for e in epochs}) == 3
+    saved = torch.load(tmp_path / "step=29.ckpt", weights_only=False)
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["epoch"] == 2
+    resumed = _fit(tmp_path / "r", TinyLM(), _loader(pipe, num_workers=num_workers),
+                   ckpt_path=tmp_path / "step=29.ckpt", max_epochs=3)
+    assert resumed.seen == full.seen[29:]
+
+
+def test_lightning_reads_the_epoch_length_from_len_of_a_bare_loader(tmp_path: Path):
+    pipe = _pipe(passes=1, n=24)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, max_epochs=1,
+                         enable_checkpointing=False)
+    trainer.fit(TinyLM(), _loader(pipe, in_process=True))
+    assert trainer.num_training_batches == len(_loader(pipe)) == 12

@@ -214,7 +214,7 @@ class _TrainStream(ZephonStream):
 
     @property
     def sampler(self) -> _StreamEpochs:
-        """Where Lightning 2.x calls ``set_epoch`` before each epoch (see :class:`_StreamEpochs`)."""
+        """Where Lightning 2.x calls ``set_epoch`` before each epoch (:class:`_StreamEpochs`)."""
         return _StreamEpochs(self)
 
     @property

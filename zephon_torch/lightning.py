@@ -54,7 +54,9 @@ is not Lightning's train loader, so it does not adjust its own
 
 **Epochs.** A Lightning epoch over a stream ends when the pipeline ends
 (``passes`` is finite) or after ``limit_train_batches``. In the first case the
-next epoch is a new pass from the beginning; in the second it continues
+next epoch is the pipeline's next epoch (``docs/epochs.md``: a new,
+reproducible order; Lightning's ``set_epoch`` reaches the loader through the
+stream's ``sampler``) from its beginning; in the second it continues
 where the last batch the step received left off (so an endless pretraining
 stream is never replayed by "epochs"). A checkpoint records which case it
 is in, so a resumed run does the same as the uninterrupted one.

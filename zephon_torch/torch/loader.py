@@ -576,7 +576,7 @@ class DataLoader:
             held: Batches a consumer (Lightning's fetcher, a ``ZephonDataModule``
                 stream) took from the loader and has not used yet.
             epoch_over: The consumer has used the iteration's last batch: the
-                next iteration starts from the beginning.
+                next iteration starts from the beginning of the next epoch.
 
         Raises:
             NotCheckpointableError: The loader runs with ``deterministic=False``.
@@ -587,7 +587,7 @@ class DataLoader:
         if self._loaded is not None:
             state: dict[str, Any] | None = self._loaded
         elif epoch_over and not held:
-            state = None  # the next iteration (iter() again) starts from the beginning
+            state = None  # the next iteration (iter() again) starts the next epoch
         else:
             state = self._position.before(held)
         if state is not None:

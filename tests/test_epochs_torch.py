@@ -34,9 +34,15 @@ def _epoch(pipe: zt.Pipeline, epoch: int) -> list[list[Any]]:
     return _ids(b.to_training() for b in pipe.iter(runner="inline", epoch=epoch))
 
 
-def test_each_iteration_of_the_loader_runs_the_next_epoch_in_its_own_reproducible_order() -> None:
+MODES = {"inline": {}, "lanes": {"num_workers": 2},
+         "engine": {"num_workers": 1, "runner": "process"}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_iteration_of_the_loader_runs_the_next_epoch_in_its_own_reproducible_order(
+        mode: str) -> None:
     pipe = _pipe()
-    loader = DataLoader(pipe)
+    loader = DataLoader(pipe, **MODES[mode])
     got = [_ids(loader) for _ in range(3)]
     assert got == [_epoch(pipe, e) for e in range(3)]
     assert len({str(order) for order in got}) == 3

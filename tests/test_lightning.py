@@ -178,7 +178,10 @@ def test_an_epoch_end_checkpoint_resumes_with_the_next_pass(tmp_path: Path):
     full = _fit(tmp_path, TinyLM(), _dm(passes=1, in_process=True), checkpoint=epochs,
                 max_epochs=2)
     assert len(full.seen) == 96
-    assert full.seen[48:] == full.seen[:48]  # each epoch is the whole pass, same order
+    # Each epoch is the whole pass, in the pipeline's order of that epoch.
+    assert full.seen == [_ids(b.to_training(**TO_TRAINING)) for epoch in range(2)
+                         for b in _pipe(passes=1).iter(runner="inline", epoch=epoch)]
+    assert full.seen[48:] != full.seen[:48]
     saved = torch.load(tmp_path / "epoch=0-step=48.ckpt", weights_only=False)
     assert saved["ZephonDataModule"]["pass_ended"] is True
     resumed = _fit(tmp_path / "r", TinyLM(), _dm(passes=1, in_process=True),
@@ -292,3 +295,82 @@ def test_lightning_recipe_resumes_the_data_exactly_and_the_loss_continues(tmp_pa
     diff = float(re.search(r"max \|diff\| over 6 steps ([0-9.e+-]+)", result.stdout).group(1))
     assert diff < 1e-3
     assert (tmp_path / "checkpoints" / "step=6.ckpt").exists()
+
+
+# --------------------------------------------------------------------------- epochs
+
+
+def _epoch_ids(pipe: zt.Pipeline, epoch: int) -> list[list[tuple[int, ...]]]:
+    return [_ids(b.to_training(**TO_TRAINING)) for b in pipe.iter(runner="inline", epoch=epoch)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_three_trainer_epochs_run_three_reproducible_orders_and_resume_mid_epoch_2(
+        tmp_path: Path, num_workers: int):
+    # 24 items in batches of 2: 12 steps an epoch; the checkpoint is 5 steps into epoch 2.
+    pipe = _pipe(passes=1, n=24)
+
+    def dm() -> ZephonDataModule:
+        return ZephonDataModule(train=pipe, loader_kwargs={"to_training": TO_TRAINING,
+                                                           "num_workers": num_workers})
+
+    full = _fit(tmp_path, TinyLM(), dm(), checkpoint=_every(tmp_path, 29), max_epochs=3)
+    epochs = [_epoch_ids(pipe, e) for e in range(3)]
+    assert full.seen == epochs[0] + epochs[1] + epochs[2]
+    assert len({str(e) for e in epochs}) == 3
+    again = _fit(tmp_path / "again", TinyLM(), dm(), max_epochs=3)
+    assert again.seen == full.seen
+    saved = torch.load(tmp_path / "step=29.ckpt", weights_only=False)
+    assert saved["ZephonDataModule"]["train"]["epoch"] == 2
+    resumed = _fit(tmp_path / "r", TinyLM(), dm(), ckpt_path=tmp_path / "step=29.ckpt",
+                   max_epochs=3)
+    assert resumed.seen == full.seen[29:]
+
+
+def test_validation_reads_the_same_batches_in_every_epoch_with_its_own_loader_options(
+        tmp_path: Path):
+    val = _pipe(passes=1, n=8)
+    dm = ZephonDataModule(train=_pipe(passes=1, n=8), val=val,
+                          loader_kwargs={"to_training": TO_TRAINING, "num_workers": 2},
+                          eval_loader_kwargs={"to_training": TO_TRAINING, "num_workers": 0})
+    model = _fit(tmp_path, ValidatingLM(), dm, max_epochs=3, num_sanity_val_steps=0)
+    assert dm.val_dataloader().loader.num_workers == 0
+    assert dm.train_dataloader().loader.num_workers == 2
+    assert model.val_seen == _epoch_ids(val, 0) * 3
+
+
+class EvalLM(TinyLM):
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.val_seen.append(_ids(batch))
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[tuple[int, ...]]:
+        return _ids(batch)
+
+
+def test_test_and_predict_pipelines_run_under_trainer_test_and_predict(tmp_path: Path):
+    test, predict = _pipe(passes=1, n=8, seed=2), _pipe(passes=1, n=6, seed=3)
+    dm = ZephonDataModule(train=_pipe(passes=1, n=8), test=test, predict=predict,
+                          loader_kwargs={"to_training": TO_TRAINING})
+    model = EvalLM()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.test(model, datamodule=dm)
+    assert model.val_seen == _epoch_ids(test, 0)
+    assert trainer.predict(model, datamodule=dm) == _epoch_ids(predict, 0)
+    with pytest.raises(ValueError, match="no test pipeline: pass test="):
+        ZephonDataModule(train=_pipe(passes=1, n=8))._eval_stream("test")
+
+
+def test_the_data_module_logs_the_train_loaders_throughput_to_the_trainers_logger(
+        tmp_path: Path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    dm = ZephonDataModule(train=_pipe(passes=1, n=16), loader_kwargs={"to_training": TO_TRAINING})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, max_epochs=1,
+                         logger=CSVLogger(tmp_path), log_every_n_steps=2,
+                         enable_checkpointing=False)
+    trainer.fit(TinyLM(), datamodule=dm)
+    text = (Path(trainer.logger.log_dir) / "metrics.csv").read_text()
+    header = text.splitlines()[0].split(",")
+    assert {"data/outputs_per_s", "data/wait_s", "data/epoch"} <= set(header)

@@ -80,9 +80,9 @@ def _states_after(pipe: zt.Pipeline, counts: list[int]) -> dict[int, dict[str, A
     return states
 
 
-def _reference(pipe: zt.Pipeline, n: int) -> list[list[tuple[int, ...]]]:
-    return [_ids(b.to_training(**TO_TRAINING)) for b, _ in zip(pipe.iter(runner="inline"),
-                                                                 range(n))]
+def _reference(pipe: zt.Pipeline, n: int, epoch: int = 0) -> list[list[tuple[int, ...]]]:
+    return [_ids(b.to_training(**TO_TRAINING))
+            for b, _ in zip(pipe.iter(runner="inline", epoch=epoch), range(n))]
 
 
 # --------------------------------------------------------------------------- mid-epoch
@@ -174,12 +174,13 @@ def test_a_checkpoint_at_the_end_of_a_pass_resumes_with_the_next_pass(tmp_path: 
                              save_top_k=-1)
     full = _fit(tmp_path, TinyLM(), _loader(_pipe(passes=1), in_process=True),
                 callbacks=[epochs, _every(tmp_path / "steps", 48)], max_epochs=2)
-    assert len(full.seen) == 96
-    assert full.seen[48:] == full.seen[:48]  # each epoch is the whole pass, same order
-    fresh = _loader(_pipe(passes=1)).state_dict()
+    # Each epoch is the whole pass, in the pipeline's order of that epoch.
+    assert full.seen == _reference(_pipe(passes=1), 48) + _reference(_pipe(passes=1), 48, 1)
+    fresh = _loader(_pipe(passes=1), epoch=1).state_dict()
     for ckpt in (tmp_path / "epoch=0-step=48.ckpt", tmp_path / "steps" / "step=48.ckpt"):
         saved = torch.load(ckpt, weights_only=False)
-        # Lightning's next epoch iterates the loader again, from the start: so does a resume.
+        # Lightning's next epoch iterates the loader again, from the start of the next
+        # epoch: so does a resume.
         assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [fresh]
         resumed = _fit(tmp_path / "r" / ckpt.stem, TinyLM(),
                        _loader(_pipe(passes=1), in_process=True), ckpt_path=ckpt,
@@ -194,8 +195,9 @@ def test_epochs_cut_by_limit_train_batches_restart_the_loader_and_resume_exactly
     kwargs = {"max_epochs": 3, "limit_train_batches": 4}
     full = _fit(tmp_path, TinyLM(), _loader(in_process=True),
                 callbacks=[epochs, _every(tmp_path / "steps", 3)], **kwargs)
-    # As with torch's DataLoader, every Lightning epoch is a new iteration of the loader.
-    assert full.seen == _reference(_pipe(), 4) * 3
+    # As with torch's DataLoader, every Lightning epoch is a new iteration of the loader,
+    # which runs the pipeline's epoch of that number.
+    assert full.seen == [b for epoch in range(3) for b in _reference(_pipe(), 4, epoch)]
     for ckpt in (tmp_path / "epoch=0-step=4.ckpt", tmp_path / "steps" / "step=6.ckpt"):
         resumed = _fit(tmp_path / "r" / ckpt.stem, TinyLM(), _loader(in_process=True),
                        ckpt_path=ckpt, **kwargs)
@@ -308,3 +310,29 @@ def test_positions_further_back_than_remembered_are_refused_not_guessed():
     with pytest.raises(RuntimeError, match="has handed over only 20"):
         position.before(21)
     assert position.before(20) is None  # the start of the iteration: the beginning
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_three_trainer_epochs_of_a_bare_loader_run_three_orders_and_resume_mid_epoch_2(
+        tmp_path: Path, num_workers: int):
+    # 24 items in batches of 2: 12 steps an epoch; the checkpoint is 5 steps into epoch 2.
+    pipe = _pipe(passes=1, n=24)
+    full = _fit(tmp_path, TinyLM(), _loader(pipe, num_workers=num_workers),
+                callbacks=[_every(tmp_path, 29)], max_epochs=3)
+    epochs = [_reference(pipe, 12, e) for e in range(3)]
+    assert full.seen == epochs[0] + epochs[1] + epochs[2]
+    assert len({str(e) for e in epochs}) == 3
+    saved = torch.load(tmp_path / "step=29.ckpt", weights_only=False)
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["epoch"] == 2
+    resumed = _fit(tmp_path / "r", TinyLM(), _loader(pipe, num_workers=num_workers),
+                   ckpt_path=tmp_path / "step=29.ckpt", max_epochs=3)
+    assert resumed.seen == full.seen[29:]
+
+
+def test_lightning_reads_the_epoch_length_from_len_of_a_bare_loader(tmp_path: Path):
+    pipe = _pipe(passes=1, n=24)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, max_epochs=1,
+                         enable_checkpointing=False)
+    trainer.fit(TinyLM(), _loader(pipe, in_process=True))
+    assert trainer.num_training_batches == len(_loader(pipe)) == 12

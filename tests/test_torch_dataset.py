@@ -306,3 +306,43 @@ def test_worker_states_merge_into_one_global_state(
     assert head + run_ids(rest) == expected
     with pytest.raises(ValueError, match="no pipeline state"):
         merged_state({"_snapshot": {}})
+
+
+def _epoch_ids(pipe: zt.Pipeline, epoch: int) -> list[list[tuple[int, ...]]]:
+    return run_ids(pipe.iter(runner="inline", epoch=epoch))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_set_epoch_runs_that_epochs_order_as_hugging_faces_iterable_dataset_does(
+        pipe: zt.Pipeline, num_workers: int) -> None:
+    dataset = TorchIterableDataset(pipe)
+    loader = DataLoader(dataset, batch_size=None, num_workers=num_workers)
+    got = {}
+    for epoch in (2, 1):
+        dataset.set_epoch(epoch)
+        got[epoch] = sorted(run_ids(loader))  # workers interleave: compare the batches
+    assert got[2] == sorted(_epoch_ids(pipe, 2))
+    assert got[1] == sorted(_epoch_ids(pipe, 1))
+    assert got[1] != got[2]
+    dataset.set_epoch(1)
+    assert run_ids(dataset) == _epoch_ids(pipe, 1)  # in process: the epoch's exact order
+    with pytest.raises(ValueError, match="epoch must be an integer >= 0"):
+        dataset.set_epoch(-1)
+
+
+def test_a_dataset_state_of_epoch_2_resumes_there_and_set_epoch_to_another_is_refused(
+        pipe: zt.Pipeline) -> None:
+    dataset = TorchIterableDataset(pipe)
+    dataset.set_epoch(2)
+    it = iter(dataset)
+    head = [ids(next(it)) for _ in range(3)]
+    state = dataset.state_dict()
+    assert state["epoch"] == 2
+    resumed = TorchIterableDataset(pipe)
+    resumed.load_state_dict(state)
+    assert head + run_ids(resumed) == _epoch_ids(pipe, 2)
+    other = TorchIterableDataset(pipe)
+    other.load_state_dict(state)
+    other.set_epoch(3)
+    with pytest.raises(ValueError, match="saved in epoch 2, but this iterator runs epoch 3"):
+        iter(other)

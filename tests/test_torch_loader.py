@@ -50,8 +50,8 @@ def _pipe(n: int = 40, num_lanes: int = 4) -> zt.Pipeline:
             .map_transform(dict).shuffle(8, seed=1).batch(2))
 
 
-def _reference(pipe: zt.Pipeline, **to_training: Any) -> list[dict[str, Any]]:
-    return [b.to_training(**to_training) for b in pipe.iter(runner="inline")]
+def _reference(pipe: zt.Pipeline, epoch: int = 0, **to_training: Any) -> list[dict[str, Any]]:
+    return [b.to_training(**to_training) for b in pipe.iter(runner="inline", epoch=epoch)]
 
 
 def _assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
@@ -177,8 +177,8 @@ def test_more_workers_than_lanes_warn_once_at_the_callers_line_and_output_is_unc
     assert "5 workers but this rank owns 2 lane(s): 3 worker(s) get no lane" in str(
         idle[0].message)
     assert idle[0].filename == __file__
-    for got in epochs:
-        _assert_same(got, _reference(pipe))
+    for epoch, got in enumerate(epochs):  # each iteration runs the next epoch
+        _assert_same(got, _reference(pipe, epoch))
 
 
 def test_to_training_options_reach_to_training_in_the_engine():
@@ -263,23 +263,23 @@ def test_state_before_iterating_is_the_beginning_and_after_the_end_is_empty():
     fresh.load_state_dict(start)
     _assert_same(list(fresh), everything)
     done = DataLoader(pipe, in_process=True)
-    done.load_state_dict(end)
-    assert list(done) == []
+    done.load_state_dict(end)  # epoch 0 is over: the next iteration runs epoch 1
+    _assert_same(list(done), _reference(pipe, 1))
 
 
 def test_iterating_again_starts_a_new_epoch_unless_a_state_was_loaded():
     pipe = _pipe()
-    want = _reference(pipe)
+    want = [_reference(pipe, epoch) for epoch in range(4)]
     loader = DataLoader(pipe, in_process=True)
-    _assert_same(list(loader), want)
-    _assert_same(list(loader), want)  # after the end: from the beginning
+    _assert_same(list(loader), want[0])
+    _assert_same(list(loader), want[1])  # after the end: the next epoch from its beginning
     for i, _ in enumerate(loader):
         if i == 3:
             break
     state = loader.state_dict()
-    _assert_same(list(loader), want)  # after a break: from the beginning too
+    _assert_same(list(loader), want[3])  # after a break: the next epoch too
     loader.load_state_dict(state)
-    _assert_same(list(loader), want[4:])
+    _assert_same(list(loader), want[2][4:])  # the state's epoch, where it stopped
 
 
 def test_iter_alone_starts_nothing_and_keeps_a_loaded_state():
@@ -296,8 +296,9 @@ def test_iter_alone_starts_nothing_and_keeps_a_loaded_state():
     assert probe.engine_pid is None
     assert resumed.state_dict() == state
     _assert_same(list(resumed), want[2:])  # a new iteration: the probe never started
-    # The probe is an iterator like any other: used now, it starts a pass of its own.
-    _assert_same([next(probe)], want[:1])
+    # The probe is an iterator like any other: used now, it starts a pass of its own,
+    # the loader's next epoch.
+    _assert_same([next(probe)], _reference(_pipe(), 1)[:1])
     probe.close()
 
 
@@ -332,11 +333,11 @@ def test_a_second_iterator_starts_once_the_first_has_ended_or_been_dropped():
     _assert_same([next(first)], want[1:2])  # the first goes on where it was
     del first  # dropped unfinished (as a for loop's iterator after a break)
     gc.collect()
-    _assert_same(list(second), want)  # a new pass
+    _assert_same(list(second), _reference(_pipe(), 1))  # a new pass: the next epoch
     third = iter(loader)
     fourth = iter(loader)
-    _assert_same(list(third), want)
-    _assert_same(list(fourth), want)  # after the end: another pass
+    _assert_same(list(third), _reference(_pipe(), 2))
+    _assert_same(list(fourth), _reference(_pipe(), 3))  # after the end: another pass
 
 
 def test_load_state_dict_during_an_iteration_makes_its_next_step_an_error_not_an_end():

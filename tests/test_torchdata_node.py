@@ -121,3 +121,15 @@ def test_pin_memory_node_restores_exactly(pipe: zt.Pipeline,
     first = next(iter(nodes.Loader(build(pipe))))
     assert first["input_ids"].is_pinned()
     check_restores(pipe, expected, build, [0, 9])
+
+
+def test_a_node_runs_the_epoch_its_iter_kwargs_name_and_resumes_in_it(pipe: zt.Pipeline) -> None:
+    want = [ids(b) for b in pipe.iter(runner="inline", epoch=2)]
+    assert want != [ids(b) for b in pipe.iter(runner="inline")]
+    loader = nodes.Loader(zt.torch.PipelineNode(pipe, runner="inline", epoch=2))
+    it = iter(loader)
+    head = [ids(next(it)) for _ in range(3)]
+    state = loader.state_dict()
+    restored = nodes.Loader(zt.torch.PipelineNode(pipe, runner="inline"))
+    restored.load_state_dict(state)  # no epoch=: the state's
+    assert head + [ids(b) for b in restored] == want

@@ -54,7 +54,9 @@ is not Lightning's train loader, so it does not adjust its own
 
 **Epochs.** A Lightning epoch over a stream ends when the pipeline ends
 (``passes`` is finite) or after ``limit_train_batches``. In the first case the
-next epoch is a new pass from the beginning; in the second it continues
+next epoch is the pipeline's next epoch (``docs/epochs.md``: a new,
+reproducible order; Lightning's ``set_epoch`` reaches the loader through the
+stream's ``sampler``) from its beginning; in the second it continues
 where the last batch the step received left off (so an endless pretraining
 stream is never replayed by "epochs"). A checkpoint records which case it
 is in, so a resumed run does the same as the uninterrupted one.
@@ -94,6 +96,9 @@ except ModuleNotFoundError as exc:  # an extra: say which one
     raise missing("lightning", "zephon_torch.lightning") from exc
 
 from zephon_torch.checkpoint import merge_states
+from zephon_torch.epochs import state_epoch
+from zephon_torch.logs import logger as _logger
+from zephon_torch.logs import metrics
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.topology import resolve_topology
 from zephon_torch.torch._loader_dist import gather
@@ -200,6 +205,16 @@ class _TrainStream(ZephonStream):
         if generation == self._generation:
             self._exhausted = True
 
+    @property
+    def sampler(self) -> _StreamEpochs:
+        """Where Lightning 2.x calls ``set_epoch`` before each epoch (:class:`_StreamEpochs`)."""
+        return _StreamEpochs(self)
+
+    @property
+    def batch_sampler(self) -> _StreamBatchSampler:
+        """Holds the same ``.sampler`` (Lightning also looks there)."""
+        return _StreamBatchSampler(_StreamEpochs(self))
+
     def received_one(self) -> None:
         """The training step is about to receive the oldest batch handed out."""
         self._held = max(0, self._held - 1)
@@ -214,6 +229,49 @@ class _TrainStream(ZephonStream):
             self._held = 0
         # Before the first iteration: the loaded state, or the beginning.
         return self._received(), self.started and self._exhausted and not self._held
+
+
+class _StreamEpochs:
+    """The train stream's ``set_epoch``: Lightning's epoch ``n`` runs the pipeline's epoch
+    ``n``, except where the stream holds a position to continue (a checkpoint's, loaded
+    before the epoch starts): the pipeline's epoch of that position goes on, as in the
+    uninterrupted run (where an epoch cut by ``limit_train_batches`` continues in the next).
+    """
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: _TrainStream) -> None:
+        self._stream = stream
+
+    def set_epoch(self, epoch: int) -> None:
+        """Run ``epoch`` next, unless a loaded position continues its own."""
+        loader = self._stream.loader
+        if loader._loaded is None:
+            loader.set_epoch(epoch)
+
+    def __eq__(self, other: object) -> bool:  # Lightning collects samplers in a set
+        return isinstance(other, _StreamEpochs) and other._stream is self._stream
+
+    def __hash__(self) -> int:
+        return id(self._stream)
+
+
+class _StreamBatchSampler:
+    """``stream.batch_sampler``: only its ``.sampler``, the stream's epochs."""
+
+    __slots__ = ("sampler",)
+
+    def __init__(self, sampler: _StreamEpochs) -> None:
+        self.sampler = sampler
+
+
+class _EvalStream(ZephonStream):
+    """A validation/test/predict stream: every run reads epoch 0 from its beginning, so
+    every validation run sees the same batches in the same order."""
+
+    def _begin(self) -> tuple[int, Iterator[Any]]:
+        self.loader.set_epoch(0)
+        return super()._begin()
 
 
 class _LazyIterator:
@@ -244,13 +302,27 @@ class ZephonDataModule(pl.LightningDataModule):
 
     Args:
         train: The training pipeline (ending in ``.batch(n)``).
-        val: An optional validation pipeline, read from its beginning at
-            every validation run.
+        val: An optional validation pipeline, read from its beginning (its
+            epoch 0) at every validation run.
         loader_kwargs: Keyword arguments of
-            :class:`zephon_torch.torch.loader.DataLoader` for both loaders
+            :class:`zephon_torch.torch.loader.DataLoader` for the train loader,
+            and for the others unless ``eval_loader_kwargs`` is given
             (``num_workers``, ``to_training``, ``in_process``, ``on_uneven``
             ...). ``device`` is optional: Lightning moves each batch to the
             module's device itself (a batch already there stays).
+        test: An optional pipeline for ``Trainer.test`` (read like ``val``).
+        predict: An optional pipeline for ``Trainer.predict`` (read like ``val``).
+        eval_loader_kwargs: Loader arguments for the val, test and predict
+            loaders (default: ``loader_kwargs``); e.g. ``{"num_workers": 0}``
+            runs a short validation in process, with no workers to start,
+            while training uses workers.
+        log_stats: Log the train loader's throughput and data wait
+            (:func:`zephon_torch.logs.metrics` of its ``stats()``, under
+            ``data/``) to the trainer's loggers every ``log_every_n_steps``.
+
+    Every train epoch runs the pipeline's epoch of the same number (a new,
+    reproducible order, see ``docs/epochs.md``): Lightning calls
+    ``set_epoch`` on the train loader's ``sampler`` before each epoch.
 
     Subclasses that override ``on_before_batch_transfer`` must call
     ``super().on_before_batch_transfer(batch, dataloader_idx)``: it is how
@@ -269,31 +341,44 @@ class ZephonDataModule(pl.LightningDataModule):
         train: Pipeline,
         val: Pipeline | None = None,
         loader_kwargs: Mapping[str, Any] | None = None,
+        *,
+        test: Pipeline | None = None,
+        predict: Pipeline | None = None,
+        eval_loader_kwargs: Mapping[str, Any] | None = None,
+        log_stats: bool = True,
     ) -> None:
         super().__init__()
-        if loader_kwargs is not None and not isinstance(loader_kwargs, Mapping):
-            raise TypeError(
-                f"loader_kwargs must be a dict of zephon DataLoader arguments, got "
-                f"{type(loader_kwargs).__name__}"
-            )
-        self.loader_kwargs = dict(loader_kwargs or {})
+        self.loader_kwargs = _check_kwargs(loader_kwargs, "loader_kwargs")
+        self.eval_loader_kwargs = (self.loader_kwargs if eval_loader_kwargs is None else
+                                   _check_kwargs(eval_loader_kwargs, "eval_loader_kwargs"))
+        self.log_stats = bool(log_stats)
         self.train = _check_pipeline(train, "train")
         self.val = None if val is None else _check_pipeline(val, "val")
+        self.test = None if test is None else _check_pipeline(test, "test")
+        self.predict = None if predict is None else _check_pipeline(predict, "predict")
         # Built now so that a bad argument fails here; the first train_dataloader() uses it.
         self._next_train: DataLoader | None = self._loader(self.train)
+        for pipeline in (self.val, self.test, self.predict):
+            if pipeline is not None:
+                self._loader(pipeline, evaluation=True)
         self._train_stream: _TrainStream | None = None
-        self._val_stream: ZephonStream | None = None
+        self._eval_streams: dict[str, ZephonStream] = {}
+        self._logged_step = -1  # the last global step whose stats went to the loggers
         self._torn_down = False  # the last fit ended: its train stream is history
-        if self.val is None and type(self).val_dataloader is ZephonDataModule.val_dataloader:
-            # Lightning validates when val_dataloader is overridden. Without a val pipeline,
-            # show it the base hook, as LightningDataModule.from_datasets attaches only the
-            # loaders it has: no validation, and no warning about an empty loader.
-            self.val_dataloader = super().val_dataloader  # type: ignore[method-assign]
+        for name in ("val", "test", "predict"):
+            hook = f"{name}_dataloader"
+            if getattr(self, name) is None and getattr(type(self), hook) is getattr(
+                    ZephonDataModule, hook):
+                # Lightning runs a loop when its hook is overridden. Without a pipeline, show
+                # it the base hook, as LightningDataModule.from_datasets attaches only the
+                # loaders it has: no loop, and no warning about an empty loader.
+                setattr(self, hook, getattr(super(), hook))
 
     # ------------------------------------------------------------------ loaders
 
-    def _loader(self, pipeline: Pipeline) -> DataLoader:
-        return DataLoader(pipeline, **self.loader_kwargs)
+    def _loader(self, pipeline: Pipeline, evaluation: bool = False) -> DataLoader:
+        return DataLoader(pipeline,
+                          **(self.eval_loader_kwargs if evaluation else self.loader_kwargs))
 
     def train_dataloader(self) -> ZephonStream:
         """A stream over a new train loader (holding a state loaded beforehand, if any)."""
@@ -308,25 +393,56 @@ class ZephonDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> ZephonStream:
         """A stream over the validation pipeline, read from its start at every validation run."""
-        if self.val is None:  # a subclass calling it without a val pipeline
-            raise ValueError("this ZephonDataModule has no val pipeline: pass val=...")
-        if self._val_stream is None:
-            self._val_stream = ZephonStream(self._loader(self.val))
-        return self._val_stream
+        return self._eval_stream("val")
+
+    def test_dataloader(self) -> ZephonStream:
+        """A stream over the test pipeline, read from its start at every test run."""
+        return self._eval_stream("test")
+
+    def predict_dataloader(self) -> ZephonStream:
+        """A stream over the predict pipeline, read from its start at every predict run."""
+        return self._eval_stream("predict")
+
+    def _eval_stream(self, name: str) -> ZephonStream:
+        pipeline = getattr(self, name)
+        if pipeline is None:  # a subclass calling it without that pipeline
+            raise ValueError(f"this ZephonDataModule has no {name} pipeline: pass {name}=...")
+        if name not in self._eval_streams:
+            self._eval_streams[name] = _EvalStream(self._loader(pipeline, evaluation=True))
+        return self._eval_streams[name]
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Notes that the training step receives its next batch; runs the model's hook too."""
         trainer = self._trainer
         if trainer is not None and trainer.training and self._train_stream is not None:
             self._train_stream.received_one()
+            self._log_stats(trainer)
         module = trainer.lightning_module if trainer is not None else None
         if module is not None and is_overridden("on_before_batch_transfer", module):
             batch = module.on_before_batch_transfer(batch, dataloader_idx)
         return batch
 
+    def _log_stats(self, trainer: pl.Trainer) -> None:
+        """The train loader's throughput and data wait to the trainer's loggers, every
+        ``log_every_n_steps`` (once per step)."""
+        step = trainer.global_step
+        every = getattr(trainer, "log_every_n_steps", 50) or 50
+        if not self.log_stats or step == self._logged_step or step % every or not trainer.loggers:
+            return
+        self._logged_step = step
+        try:
+            stats = self._train_stream.loader.stats()  # type: ignore[union-attr]
+        except RuntimeError as exc:  # an engine process: its iterator is not here
+            self.log_stats = False
+            _logger.warning("ZephonDataModule logs no data stats: %s", exc)
+            return
+        values = metrics(stats)
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=step)
+
     def teardown(self, stage: str) -> None:
         """Stops the loaders' engine processes when fit (or validate) ends."""
-        for stream in (self._train_stream, self._val_stream):
+        for stream in (self._train_stream, *self._eval_streams.values()):
             if stream is not None:
                 stream.close()
         self._torn_down = True  # state_dict() still reports where that fit stopped
@@ -382,9 +498,10 @@ class ZephonDataModule(pl.LightningDataModule):
         loader = self._loader(self.train)
         loader.load_state_dict(state_dict["train"])  # validates it against the pipeline
         if state_dict["pass_ended"]:
-            # The step had received the last batch of a pass: what comes next is a new
-            # pass from the beginning, as in the uninterrupted run's next epoch.
+            # The step had received the last batch of a pass: what comes next is the next
+            # epoch from its beginning, as in the uninterrupted run.
             loader = self._loader(self.train)
+            loader.set_epoch(state_epoch(state_dict["train"]) + 1)
         stream = self._train_stream
         if stream is not None and not stream.started:
             stream.close()
@@ -409,6 +526,14 @@ class ZephonDataModule(pl.LightningDataModule):
     @property
     def _trainer(self) -> pl.Trainer | None:
         return getattr(self, "trainer", None)
+
+
+def _check_kwargs(kwargs: Any, name: str) -> dict[str, Any]:
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(
+            f"{name} must be a dict of zephon DataLoader arguments, got {type(kwargs).__name__}"
+        )
+    return dict(kwargs or {})
 
 
 def _check_pipeline(pipeline: Any, name: str) -> Pipeline:

@@ -195,6 +195,8 @@ class InProcessProducer:
         self._iterator: Any = None
         if spec.iter_kwargs.get("runner") == "lanes":
             self._iterator = open_iterator(spec)
+        #: The pipeline iterator once made (for the loader's stats()).
+        self.iterator: Any = self._iterator
 
     @property
     def pid(self) -> int | None:
@@ -219,7 +221,9 @@ class InProcessProducer:
 
     def events(self) -> Iterator[tuple]:
         """The events, produced here and now."""
-        self._events = run_pipeline(self._spec, self._iterator)
+        it = self._iterator if self._iterator is not None else open_iterator(self._spec)
+        self.iterator = it
+        self._events = run_pipeline(self._spec, it)
         return self._events
 
     def credit(self) -> None:

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch.utils.data
 
 from zephon_torch.checkpoint import merge_states
+from zephon_torch.epochs import check_epoch
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.iterator import ITER_KWARGS
 from zephon_torch.topology import owned_lanes, resolve_topology, worker_lanes
@@ -189,9 +190,16 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         pipeline: The pipeline to run.
         **iter_kwargs: Passed to :meth:`Pipeline.iter` (``runner``,
             ``num_workers``, ``deterministic``, ``rank``, ``world_size``,
-            ``microbatch_sizes``, ``lanes``). Inside a torch DataLoader worker
-            ``runner`` defaults to ``"inline"`` and ``lanes`` to the worker's
-            share of the rank's lanes.
+            ``microbatch_sizes``, ``lanes``, ``epoch``). Inside a torch
+            DataLoader worker ``runner`` defaults to ``"inline"`` and ``lanes``
+            to the worker's share of the rank's lanes.
+
+    Epochs follow Hugging Face's ``IterableDataset``: :meth:`set_epoch` chooses
+    the epoch the next iterations run (a new, reproducible order, see
+    ``docs/epochs.md``); nothing advances it by itself. A torch DataLoader
+    with workers copies the dataset into them at every ``iter(loader)``, so
+    call ``set_epoch`` before that (not with ``persistent_workers=True``,
+    whose workers keep their first copy).
 
     Raises:
         TypeError: ``pipeline`` is not a :class:`~zephon_torch.Pipeline`.
@@ -202,17 +210,39 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         super().__init__()
         self.pipeline = checked_pipeline("TorchIterableDataset", pipeline, iter_kwargs)
         self.iter_kwargs = dict(iter_kwargs)
+        self._epoch: int | None = None  # set_epoch's, else iter_kwargs' (or the state's)
         self._pending: dict[str, Any] | None = None
         self._live: LiveIterator | None = None
         # The iterator handed out for _live, and the latest one waiting to take over.
         self._owner: weakref.ref[_DatasetIterator] | None = None
         self._waiting: weakref.ref[_DatasetIterator] | None = None
 
+    # ------------------------------------------------------------------ epochs
+
+    def set_epoch(self, epoch: int) -> None:
+        """Run ``epoch`` from the next ``iter()`` on (Hugging Face's ``set_epoch``).
+
+        A loaded state must be of that epoch: the next ``iter()`` refuses
+        another epoch's state (a position of one epoch means other samples
+        in another).
+
+        Raises:
+            ValueError: ``epoch`` is not an integer >= 0.
+        """
+        self._epoch = check_epoch(epoch)
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch :meth:`set_epoch` chose (None: ``iter_kwargs``' or a loaded state's)."""
+        return self._epoch
+
     # ------------------------------------------------------------------ iteration
 
     def _plan(self) -> tuple[list[int], dict[str, Any]]:
         """The lanes this process runs, and the keywords for ``Pipeline.iter``."""
         kwargs = dict(self.iter_kwargs)
+        if self._epoch is not None:
+            kwargs["epoch"] = self._epoch
         explicit = kwargs.pop("lanes", None)
         num_lanes = self.pipeline.source.num_lanes
         share = worker_lanes(num_lanes, kwargs.get("rank"), kwargs.get("world_size"), explicit)

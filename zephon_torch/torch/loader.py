@@ -81,9 +81,16 @@ How one iteration is laid out (``num_workers=N >= 1``, the default runner ``"lan
   goes through the default group on the current CUDA device and its
   ``.item()`` synchronizes that device once per step. ``"continue"`` lets
   each rank run to its own end.
-* **Epochs.** Iterating again after the end (or after a ``break``) starts
-  the pipeline over from the beginning, unless a state was loaded in
-  between.
+* **Epochs.** Every iteration runs one epoch of the pipeline
+  (``pipe.iter(epoch=n)``, see ``docs/epochs.md``): iterating again after
+  the end (or after a ``break``) starts the next epoch from its beginning,
+  in a new order derived from the seeds and the epoch, unless a state was
+  loaded in between (it continues in the state's epoch). The loader's
+  :class:`~zephon_torch.epochs.EpochCounter` is ``loader.sampler`` and
+  ``loader.batch_sampler.sampler``, where torch code and Lightning 2.x call
+  ``set_epoch(n)`` before each epoch; ``loader.set_epoch(n)`` is the same.
+  States carry their epoch; a state saved after the end of an epoch makes
+  the next iteration start the following epoch.
 * **One iteration at a time.** A loader has one position, so it runs one
   iteration at a time. An iteration is *in progress* from its first batch
   until it ends, is closed, or its iterator is no longer referenced (a
@@ -133,6 +140,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zephon_torch.checkpoint import check_state, merge_states, refuse_nondeterministic
+from zephon_torch.epochs import EpochCounter, check_epoch
+from zephon_torch.length import unknown_reason
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.assembly import remote_stages
 from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
@@ -156,7 +165,7 @@ __all__ = ["DataLoader", "Position"]
 
 # The loader's own arguments cover these; the rest of Pipeline.iter's pass through.
 _ITER_KWARGS = tuple(k for k in ITER_KWARGS
-                     if k not in ("runner", "num_workers", "rank", "world_size"))
+                     if k not in ("runner", "num_workers", "rank", "world_size", "epoch"))
 #: Runners that run in an engine process of their own (unless in_process=True).
 _ENGINE_RUNNERS = ("threads", "process")
 _UNEVEN = ("stop", "continue")
@@ -229,6 +238,8 @@ class DataLoader:
             iteration with a ``RuntimeError`` naming the process it waited
             for (as torch's ``timeout``; ``0``, the default: wait as long as
             the workers live). The first batch's wait includes the start-up.
+        epoch: The epoch of the first iteration (each further iteration runs
+            the next one; ``set_epoch`` changes it, see ``docs/epochs.md``).
         **iter_kwargs: More ``Pipeline.iter`` arguments (``deterministic``,
             ``microbatch_sizes``, ``lanes``, ``verify``, ``task_timeout``).
 
@@ -260,6 +271,7 @@ class DataLoader:
         rank: int | None = None,
         world_size: int | None = None,
         timeout: float = 0,
+        epoch: int = 0,
         **iter_kwargs: Any,
     ) -> None:
         if args:
@@ -295,6 +307,9 @@ class DataLoader:
         self.iter_kwargs = dict(iter_kwargs)
         self._fingerprint = self.pipeline.fingerprint()
         self._position = Position()
+        self._epochs = EpochCounter(check_epoch(epoch))
+        self._batch_sampler = _BatchSampler(self._epochs)
+        self._producer: Any = None  # the last iteration's producer, for stats()
         self._warned_idle = False  # more lane workers than lanes: said once
         self._lightning_warned = False  # zephon_torch.lightning not importable: said once
         self._loaded: dict[str, Any] | None = None  # waits for the next iteration
@@ -319,6 +334,89 @@ class DataLoader:
     def dataset(self) -> Pipeline:
         """The pipeline (the name torch's DataLoader uses)."""
         return self.pipeline
+
+    # ------------------------------------------------------------------ epochs
+
+    @property
+    def sampler(self) -> EpochCounter:
+        """The loader's epoch counter, where Lightning 2.x calls ``set_epoch`` (the order
+        itself comes from the pipeline's seeds and the epoch)."""
+        return self._epochs
+
+    @property
+    def batch_sampler(self) -> _BatchSampler:
+        """Holds the same counter as ``.sampler`` (Lightning also looks there)."""
+        return self._batch_sampler
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the iteration in progress (before any: of the next one)."""
+        return self._epochs.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Run ``epoch`` at the next iteration (a new, reproducible order per epoch).
+
+        A state loaded before must be of that epoch, or the next iteration
+        refuses it (a position of one epoch means other samples in another).
+        """
+        self._epochs.set_epoch(epoch)
+
+    # ------------------------------------------------------------------ length
+
+    def __len__(self) -> int:
+        """Batches one epoch yields to this rank, when known without reading the data.
+
+        ``Pipeline.num_batches`` for the loader's rank and world size (with
+        ``on_uneven="stop"`` under an initialized ``torch.distributed`` group,
+        the smallest over the ranks, where every rank stops).
+
+        Raises:
+            TypeError: The count depends on the data (torch's and
+                Lightning's way of saying "no length"); the message says why.
+        """
+        rank, world_size = resolve_topology(self.rank, self.world_size)
+        lanes = self.iter_kwargs.get("lanes")
+        count = self.pipeline.num_batches(rank=rank, world_size=world_size, lanes=lanes)
+        if count is None:
+            raise TypeError(
+                f"this zephon DataLoader has no len(): the number of batches depends on the data "
+                f"({unknown_reason(self.pipeline)}); train by steps (max_steps), see "
+                "docs/epochs.md"
+            )
+        if self.on_uneven == "stop" and world_size > 1 and lanes is None \
+                and torch.distributed.is_available() and torch.distributed.is_initialized():
+            count = min(self.pipeline.num_batches(rank=r, world_size=world_size) or 0
+                        for r in range(world_size))
+        return count
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        """The pipeline iterator's ``stats()`` of the iteration in progress (or the last).
+
+        Throughput, data wait, per-lane and per-stage counts (see
+        ``docs/observability.md``; ``zephon_torch.logs.metrics`` flattens it
+        for a metrics logger).
+
+        Raises:
+            RuntimeError: No iteration has started yet, or the pipeline runs
+                in an engine process (``runner="process"``/``"threads"``
+                without ``in_process=True``), whose iterator is not here.
+        """
+        producer = self._producer
+        if producer is None:
+            raise RuntimeError(
+                "this zephon DataLoader has not started an iteration yet: stats() describes the "
+                "iteration in progress (or the last one); call it after the first batch"
+            )
+        source = getattr(producer, "iterator", None)
+        if source is None:
+            raise RuntimeError(
+                f"stats() is not available with runner={self.runner!r} in an engine process: "
+                "its pipeline iterator lives in another process. Pass in_process=True, or use "
+                "the default lane workers (runner='lanes')"
+            )
+        return source.stats()
 
     # ------------------------------------------------------------------ iteration
 
@@ -368,10 +466,13 @@ class DataLoader:
     def _start(self) -> _Run:
         """Start the producer and prefetch thread of a new iteration (at its first next())."""
         rank, world_size = resolve_topology(self.rank, self.world_size)
+        # The epoch of this iteration; a loaded state must be of it (set_epoch may have
+        # chosen another since).
+        epoch = self._epochs.begin(self._loaded)
         state, self._loaded = self._loaded, None
         self._position.reset(state)
         iter_kwargs = {"runner": self.runner, "rank": rank, "world_size": world_size,
-                       **self.iter_kwargs}
+                       "epoch": epoch, **self.iter_kwargs}
         # The core's default pool size when a runner was named with num_workers=0.
         iter_kwargs["num_workers"] = self.num_workers or None
         if self.runner == "lanes" and self.num_workers:
@@ -402,6 +503,7 @@ class DataLoader:
             # batches waiting in shared memory absorb the pipeline's bursts (a chunk
             # tokenized, a packer flushing) without holding device memory.
             producer = EngineProcess(spec, self.prefetch_factor * max(1, self.num_workers))
+        self._producer = producer
         vote = StepVote.create(rank, world_size) if self.on_uneven == "stop" else None
         placer = Placer(with_index(self.device), self.pin_memory)
         return _Run(producer, placer, self.prefetch_factor, vote)
@@ -475,7 +577,7 @@ class DataLoader:
             held: Batches a consumer (Lightning's fetcher, a ``ZephonDataModule``
                 stream) took from the loader and has not used yet.
             epoch_over: The consumer has used the iteration's last batch: the
-                next iteration starts from the beginning.
+                next iteration starts from the beginning of the next epoch.
 
         Raises:
             NotCheckpointableError: The loader runs with ``deterministic=False``.
@@ -486,7 +588,7 @@ class DataLoader:
         if self._loaded is not None:
             state: dict[str, Any] | None = self._loaded
         elif epoch_over and not held:
-            state = None  # the next iteration (iter() again) starts from the beginning
+            state = None  # the next iteration (iter() again) starts the next epoch
         else:
             state = self._position.before(held)
         if state is not None:
@@ -505,7 +607,8 @@ class DataLoader:
         rank, world_size = resolve_topology(self.rank, self.world_size)
         # A state needs no workers: no task_timeout (which only the process runner takes).
         kwargs = {k: v for k, v in self.iter_kwargs.items() if k != "task_timeout"}
-        it = self.pipeline.iter(runner="inline", rank=rank, world_size=world_size, **kwargs)
+        it = self.pipeline.iter(runner="inline", rank=rank, world_size=world_size,
+                                epoch=self._epochs.next_epoch, **kwargs)
         try:
             return it.state_dict()
         finally:
@@ -528,7 +631,11 @@ class DataLoader:
             raise ValueError(f"the state has {checked['num_lanes']} lanes, this pipeline "
                              f"{self.pipeline.source.num_lanes}")
         self._end_active("load_state_dict()")
-        self._loaded = copy.deepcopy(checked)
+        # The state's epoch runs next; a state saved after the end of its epoch leaves
+        # nothing to resume: the next iteration starts the following epoch afresh.
+        pending = self._epochs.resume(checked)
+        self._loaded = None if pending is None else copy.deepcopy(checked)
+        self._position.reset(self._loaded)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -547,6 +654,24 @@ class DataLoader:
         where = "engine process" if engine else "in process"
         return (f"DataLoader({self.pipeline!r}, runner={self.runner!r}, "
                 f"num_workers={self.num_workers}, {where}, device={self.device})")
+
+
+class _BatchSampler:
+    """What ``loader.batch_sampler`` is: batching lives in the pipeline, so it only
+    holds the loader's epoch counter as ``.sampler`` (where Lightning 2.x calls
+    ``set_epoch``)."""
+
+    __slots__ = ("sampler",)
+
+    def __init__(self, sampler: EpochCounter) -> None:
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        """The counter's ``set_epoch``."""
+        self.sampler.set_epoch(epoch)
+
+    def __repr__(self) -> str:
+        return f"BatchSampler(sampler={self.sampler!r})"
 
 
 class Position:

@@ -47,7 +47,10 @@ class PipelineNode(BaseNode[Any]):
     Args:
         pipeline: The pipeline to run.
         **iter_kwargs: Passed to :meth:`Pipeline.iter` (``runner``,
-            ``num_workers``, ``rank``, ``world_size``, ``lanes`` ...).
+            ``num_workers``, ``rank``, ``world_size``, ``lanes``, ``epoch``
+            ...). ``epoch=n`` runs the pipeline's epoch ``n`` (a new,
+            reproducible order, see ``docs/epochs.md``) at every ``reset``;
+            without it, ``reset(state)`` continues in the state's epoch.
 
     Raises:
         TypeError: ``pipeline`` is not a :class:`~zephon_torch.Pipeline`.

@@ -702,3 +702,25 @@ def test_uneven_ranks_stop_together_and_a_gathered_state_resumes_on_one_process(
         key = json.dumps([list(i) for i in batch["ids"]])
         delivered[lane_of[key]].append(key)
     assert delivered == full
+
+
+def test_the_loader_spells_out_pipeline_iters_options_with_its_defaults() -> None:
+    import inspect
+
+    from zephon_torch.runners.iterator import ITER_KWARGS
+
+    ours = inspect.signature(DataLoader).parameters
+    theirs = inspect.signature(zt.Pipeline.iter).parameters
+    documented = {name.strip() for line in (DataLoader.__doc__ or "").splitlines()
+                  if line.startswith(" " * 8) and not line.startswith(" " * 9) and ":" in line
+                  for name in line.split(":")[0].split(",")}
+    for name in ITER_KWARGS:
+        assert name in ours, name
+        assert ours[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert name in documented, f"{name} is not documented"
+    for name in ("deterministic", "microbatch_sizes", "lanes", "verify", "task_timeout"):
+        assert ours[name].default == theirs[name].default, name
+    with pytest.raises(TypeError, match="takes no 'batch_size'"):
+        DataLoader(zt.Pipeline.from_items(["a"]).batch(1), batch_size=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'shufle'"):
+        DataLoader(zt.Pipeline.from_items(["a"]).batch(1), shufle=True)

@@ -134,7 +134,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -240,8 +240,21 @@ class DataLoader:
             the workers live). The first batch's wait includes the start-up.
         epoch: The epoch of the first iteration (each further iteration runs
             the next one; ``set_epoch`` changes it, see ``docs/epochs.md``).
-        **iter_kwargs: More ``Pipeline.iter`` arguments (``deterministic``,
-            ``microbatch_sizes``, ``lanes``, ``verify``, ``task_timeout``).
+        deterministic: As for :meth:`Pipeline.iter`: ``False`` takes results
+            as they complete (the order varies and nothing can checkpoint).
+        microbatch_sizes: As for :meth:`Pipeline.iter`: ``{stage name:
+            size}``, how much work a task carries (performance only).
+        lanes: As for :meth:`Pipeline.iter`: read exactly these lanes instead
+            of the rank's (tools and tests).
+        verify: As for :meth:`Pipeline.iter`: at the end of the pass, check
+            that every sample read was delivered or tombstoned exactly once.
+        task_timeout: As for :meth:`Pipeline.iter`: with
+            ``runner="process"``, seconds one micro-batch may run before its
+            worker is killed and the micro-batch sent again (given without
+            ``runner``, it selects the process runner).
+        **torch_only: Not taken: torch's ``DataLoader`` arguments that do not
+            apply here (``batch_size``, ``collate_fn``, ``sampler``, ...) are
+            refused with a ``TypeError`` that says where that choice lives.
 
     Raises:
         TypeError: An argument of torch's DataLoader that does not apply
@@ -272,7 +285,12 @@ class DataLoader:
         world_size: int | None = None,
         timeout: float = 0,
         epoch: int = 0,
-        **iter_kwargs: Any,
+        deterministic: bool = True,
+        microbatch_sizes: Mapping[str, int] | None = None,
+        lanes: Sequence[int] | None = None,
+        verify: bool = False,
+        task_timeout: float | None = None,
+        **torch_only: Any,
     ) -> None:
         if args:
             raise TypeError(
@@ -280,7 +298,15 @@ class DataLoader:
                 "lives in the pipeline (end it with .batch(microbatch_size)), so there is no "
                 "batch_size; pass the other options by keyword"
             )
-        _check_kwargs(iter_kwargs)
+        _check_kwargs(torch_only)
+        # Pipeline.iter's own options, kept only where they differ from its defaults.
+        iter_kwargs = {name: value for name, value, default in (
+            ("deterministic", deterministic, True),
+            ("microbatch_sizes", microbatch_sizes, None),
+            ("lanes", lanes, None),
+            ("verify", verify, False),
+            ("task_timeout", task_timeout, None),
+        ) if value is not default}
         self.pipeline = pipeline_of("zephon_torch.DataLoader", pipeline)
         self.num_workers = _check_num_workers(num_workers)
         self.runner = _resolve_runner(runner, self.num_workers, iter_kwargs.get("task_timeout"),

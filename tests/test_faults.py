@@ -507,7 +507,8 @@ def test_a_sigterm_to_the_loader_engine_alone_delivers_what_it_sent_then_an_erro
     it = _wide_pipe().iter(runner="inline")
     want = [next(it) for _ in range(60)]
     it.close()
-    loader = DataLoader(_wide_pipe(), num_workers=0, to_training=False, prefetch_factor=4)
+    loader = DataLoader(_wide_pipe(), runner="threads", num_workers=1, to_training=False,
+                        prefetch_factor=4)  # the stage-parallel runner: an engine process
     it = iter(loader)
     got = [next(it)]
     engine = it.engine_pid
@@ -533,7 +534,8 @@ def test_a_loader_segment_deleted_by_someone_else_is_an_error_naming_it(
     pytest.importorskip("torch")
     from zephon_torch import DataLoader
 
-    loader = DataLoader(_wide_pipe(), num_workers=0, to_training=False, prefetch_factor=4)
+    loader = DataLoader(_wide_pipe(), runner="threads", num_workers=1, to_training=False,
+                        prefetch_factor=4)  # the stage-parallel runner: an engine process
     it = iter(loader)
     next(it)
     for name in _in_transit():  # what systemd's RemoveIPC=yes does at a logout

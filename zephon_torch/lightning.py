@@ -143,6 +143,18 @@ class ZephonStream:
     def __iter__(self) -> Iterator[Any]:
         return _LazyIterator(self)
 
+    def __len__(self) -> int:
+        """The loader's ``len()``: batches in one epoch, when known without reading the data.
+
+        Lightning reads it as the epoch length (``num_training_batches``, the
+        progress bar, ``estimated_stepping_batches`` for LR schedules).
+
+        Raises:
+            TypeError: The count depends on the data (Lightning then trains by
+                ``max_steps`` or until the pipeline ends); the message says why.
+        """
+        return len(self.loader)
+
     def _begin(self) -> tuple[int, Iterator[Any]]:
         """Start a new iteration of the loader; returns its generation and iterator."""
         self._generation += 1

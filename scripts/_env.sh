@@ -7,8 +7,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 EXTRAS="${ZEPHON_EXTRAS:-}"
-# torch first, pinned, so that pip does not pull a multi-GB CUDA build when the
-# open range in pyproject.toml meets an empty environment. Override with
+# torch first, pinned, so that the open range in pyproject.toml takes the build
+# installed here instead of the newest release of the index (which build a pin
+# gets, CPU or CUDA, is the index's choice: see the README). Override with
 # ZEPHON_TORCH_SPEC (e.g. "torch" to take whatever your index serves).
 TORCH_SPEC="${ZEPHON_TORCH_SPEC:-torch==2.13.0}"
 # One stamp per set of extras, so that each script installs its own once (the

@@ -160,6 +160,10 @@ class Engine:
                 moved |= self._release(stage)
                 moved |= self._advance(stage)
                 moved |= self._finish(stage)
+                # What finished at once (a local stage) moves on in this sweep, so
+                # a unit crosses every local stage before the source is read again:
+                # the first output comes after one chunk, not one chunk per stage.
+                moved |= self._release(stage)
             if self.outputs:
                 break
             if stages[-1].done:

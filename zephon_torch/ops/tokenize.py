@@ -69,7 +69,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -1199,16 +1199,7 @@ class TokenizeChat(_TokenizerOperator):
         out: list[Element] = list(elems)
         jobs: list[tuple[int, list[tuple[str | int, int]]]] = []
         texts: list[str] = []
-        for i, rec in enumerate(elems):
-            if type(rec) is not SampleRecord:
-                _check_record(rec, self.name)
-            meta = rec.meta
-            if meta.tags and meta.is_sentinel:
-                continue
-            problem = self._problem(rec.payload)
-            if problem is not None:
-                out[i] = self._reject(rec, "tokenize_chat_error", problem)
-                continue
+        for i, rec in self._live(elems, out):
             pieces = self._pieces(self._segments(rec.payload[self.field]))
             texts.extend(p for p, _ in pieces if isinstance(p, str))
             jobs.append((i, pieces))
@@ -1238,12 +1229,10 @@ class TokenizeChat(_TokenizerOperator):
             return f"has no field {self.field!r}"
         return self._validate(payload[self.field])
 
-    def _process_jinja(self, elems: Sequence[Element]) -> list[Element]:
-        """:meth:`process_many` with a Jinja template: render each conversation, tokenize
-        the texts in one batched call, and mask the tokens that start in an assistant span."""
-        out: list[Element] = list(elems)
-        jobs: list[tuple[int, list[tuple[int, int]]]] = []
-        texts: list[str] = []
+    def _live(self, elems: Sequence[Element], out: list[Element]
+              ) -> Iterator[tuple[int, SampleRecord]]:
+        """``(index, record)`` of each record to tokenize, in order; sentinels are
+        skipped, and a record without a valid conversation is rejected in ``out``."""
         for i, rec in enumerate(elems):
             if type(rec) is not SampleRecord:
                 _check_record(rec, self.name)
@@ -1254,6 +1243,15 @@ class TokenizeChat(_TokenizerOperator):
             if problem is not None:
                 out[i] = self._reject(rec, "tokenize_chat_error", problem)
                 continue
+            yield i, rec
+
+    def _process_jinja(self, elems: Sequence[Element]) -> list[Element]:
+        """:meth:`process_many` with a Jinja template: render each conversation, tokenize
+        the texts in one batched call, and mask the tokens that start in an assistant span."""
+        out: list[Element] = list(elems)
+        jobs: list[tuple[int, list[tuple[int, int]]]] = []
+        texts: list[str] = []
+        for i, rec in self._live(elems, out):
             try:
                 text, spans = self._rendered(rec.payload[self.field])
             except _Unlocatable as exc:

@@ -100,7 +100,7 @@ from zephon_torch.runners.assembly import (
     make_schedule,
     stage_contexts,
 )
-from zephon_torch.runners.process import _unwatch_sigterm, _watch_sigterm, describe_exit
+from zephon_torch.runners.process import _unwatch_sigterm, _watch_sigterm, describe_exit, reap
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.types import SampleBatch
 
@@ -174,10 +174,6 @@ def start_method() -> str:
 
 
 # --------------------------------------------------------------------------- worker side
-
-
-class _Orphaned(Exception):
-    """The main process is gone (a pipe of ours broke or hit end-of-file)."""
 
 
 class _WorkerRun:
@@ -278,7 +274,7 @@ def _worker_main(slot: int, job: LaneJob | None, control: Any, data: Any, direct
     orphaned = False
     try:
         if job is None:  # spawned: the job comes first, by cloudpickle
-            message = _recv(control, parent)
+            message = wire.recv_from_parent(control, parent)
             if message == _STOP:
                 return
             job = pickle.loads(message)
@@ -287,7 +283,7 @@ def _worker_main(slot: int, job: LaneJob | None, control: Any, data: Any, direct
         while True:
             # Wait for a credit before producing; take pending credits (or the stop) at once.
             while credits == 0 or control.poll():
-                if _recv(control, parent) == _STOP:
+                if wire.recv_from_parent(control, parent) == _STOP:
                     return
                 credits += 1
             alive, message = run.step()
@@ -295,15 +291,15 @@ def _worker_main(slot: int, job: LaneJob | None, control: Any, data: Any, direct
                 ref = writer.dump([message])
                 del message
                 try:
-                    _send(data, pickle.dumps(("units", ref), protocol=wire.PROTOCOL))
-                except _Orphaned:
+                    wire.send_to_parent(data, pickle.dumps(("units", ref), protocol=wire.PROTOCOL))
+                except wire.Orphaned:
                     writer.discard(ref)
                     raise
                 credits -= 1
             if not alive:
-                _send(data, pickle.dumps(("end",), protocol=wire.PROTOCOL))
+                wire.send_to_parent(data, pickle.dumps(("end",), protocol=wire.PROTOCOL))
                 return
-    except _Orphaned:
+    except wire.Orphaned:
         orphaned = True
     except BaseException as exc:
         header = (f"Traceback of zephon lane worker {slot} (pid {pid}, lanes "
@@ -316,26 +312,6 @@ def _worker_main(slot: int, job: LaneJob | None, control: Any, data: Any, direct
                 run.close()
         if orphaned:  # nobody will read what we sent
             shm.sweep_prefix(directory, f"{own}-")
-
-
-def _recv(control: Any, parent: int) -> bytes:
-    """The next control message; waits while the main process lives."""
-    try:
-        while not control.poll(_POLL):
-            # Other processes may hold the main process's end of our pipe (a sibling
-            # forked before it closed its copies), so end-of-file alone is not enough.
-            if os.getppid() != parent:
-                raise _Orphaned
-        return control.recv_bytes()
-    except (EOFError, OSError) as exc:
-        raise _Orphaned from exc
-
-
-def _send(data: Any, message: bytes) -> None:
-    try:
-        data.send_bytes(message)
-    except OSError as exc:
-        raise _Orphaned from exc
 
 
 # --------------------------------------------------------------------------- main side
@@ -604,17 +580,7 @@ class _Teardown:
                 os.kill(worker.process.pid, signal.SIGCONT)  # a stopped one could not stop
             with contextlib.suppress(OSError):
                 worker.control.send_bytes(_STOP)
-        deadline = time.monotonic() + _STOP_TIMEOUT
-        for worker in workers:
-            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for worker in workers:
-            if worker.process.is_alive():
-                worker.process.terminate()
-        for worker in workers:
-            worker.process.join(timeout=_STOP_TIMEOUT)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
+        reap([worker.process for worker in workers], _STOP_TIMEOUT, _STOP_TIMEOUT)
         for worker in workers:
             with contextlib.suppress(OSError):
                 worker.control.close()

@@ -84,9 +84,32 @@ from zephon_torch.runners.wire import WorkerTraceback
 from zephon_torch.runners.worker import worker_main
 
 # WorkerTraceback lives in wire.py; it stays importable from here.
-__all__ = ["ProcessPool", "WorkerTraceback", "describe_exit"]
+__all__ = ["ProcessPool", "WorkerTraceback", "describe_exit", "reap"]
 
 _START_METHODS = ("spawn", "forkserver")
+
+
+# --------------------------------------------------------------------------- lifetime
+
+
+def reap(processes: Sequence[Any], grace: float, after_terminate: float) -> None:
+    """Join child processes that were asked to stop, forcing the ones that do not.
+
+    Each gets until ``grace`` seconds from now to end by itself, then
+    ``SIGTERM`` and ``after_terminate`` more seconds, then ``SIGKILL``; all
+    are joined when this returns.
+    """
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=after_terminate)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 # --------------------------------------------------------------------------- errors
@@ -596,17 +619,7 @@ class _Supervisor:
         thread = getattr(self, "thread", None)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
-        deadline = time.monotonic() + self.shutdown_timeout
-        for worker in workers:
-            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for worker in workers:
-            if worker.process.is_alive():
-                worker.process.terminate()
-        for worker in workers:
-            worker.process.join(timeout=1.0)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
+        reap([worker.process for worker in workers], self.shutdown_timeout, 1.0)
         for worker in workers:
             if worker.alive:
                 worker.alive = False

@@ -28,6 +28,7 @@ runner (``ray.py``) sends its errors the same way.
 
 from __future__ import annotations
 
+import os
 import pickle
 import traceback
 from collections.abc import Sequence
@@ -39,15 +40,18 @@ __all__ = [
     "PROTOCOL",
     "READY",
     "STOP",
+    "Orphaned",
     "WorkerTraceback",
     "dump_unit",
     "error_message",
     "exception_parts",
     "init_message",
     "load_unit",
+    "recv_from_parent",
     "remote_error",
     "result_message",
     "revived_exception",
+    "send_to_parent",
     "task_message",
 ]
 
@@ -56,6 +60,40 @@ PROTOCOL = pickle.HIGHEST_PROTOCOL
 STOP = pickle.dumps(("stop",), protocol=PROTOCOL)
 #: Worker -> main: the operators are set up.
 READY = pickle.dumps(("ready",), protocol=PROTOCOL)
+#: Seconds between checks that the parent lives, while a child waits on a pipe.
+_PARENT_POLL = 0.2
+
+
+class Orphaned(Exception):
+    """A child's parent process is gone (a pipe to it broke or hit end-of-file)."""
+
+
+def recv_from_parent(control: Any, parent: int) -> bytes:
+    """The next message from the parent process on ``control``; waits while it lives.
+
+    Other processes may hold the parent's end of the pipe (a sibling forked
+    before the parent closed its copies), so end-of-file alone does not tell
+    that the parent is gone: the child's parent pid changing does.
+
+    Raises:
+        Orphaned: The pipe broke, or this process's parent is no longer ``parent``.
+    """
+    try:
+        while not control.poll(_PARENT_POLL):
+            if os.getppid() != parent:
+                raise Orphaned
+        return control.recv_bytes()
+    except (EOFError, OSError) as exc:
+        raise Orphaned from exc
+
+
+def send_to_parent(data: Any, message: bytes) -> None:
+    """Send ``message`` on ``data``; :class:`Orphaned` when the parent's end is gone."""
+    try:
+        data.send_bytes(message)
+    except OSError as exc:
+        raise Orphaned from exc
+
 
 
 class WorkerTraceback(Exception):

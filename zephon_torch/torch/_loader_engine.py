@@ -86,7 +86,13 @@ from typing import Any
 from zephon_torch.runners import shm
 from zephon_torch.runners.lanes import Finished
 from zephon_torch.runners.process import WorkerTraceback, describe_exit
-from zephon_torch.runners.wire import exception_parts, revived_exception
+from zephon_torch.runners.wire import (
+    Orphaned,
+    exception_parts,
+    recv_from_parent,
+    revived_exception,
+    send_to_parent,
+)
 
 __all__ = ["EngineProcess", "EngineSpec", "InProcessProducer", "finish_batch", "open_iterator",
            "run_pipeline"]
@@ -300,35 +306,18 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-class _Orphaned(Exception):
-    """The training process is gone (a pipe of ours broke or hit end-of-file)."""
-
-
-def _recv(control: Any) -> bytes:
-    try:
-        return control.recv_bytes()
-    except (EOFError, OSError) as exc:
-        raise _Orphaned from exc
-
-
-def _send(data: Any, message: bytes) -> None:
-    try:
-        data.send_bytes(message)
-    except OSError as exc:
-        raise _Orphaned from exc
-
-
 def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: int) -> None:
     """The engine process: receive the spec, iterate, send batches while credits last."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    parent = os.getppid()
     own = f"{prefix}-{os.getpid()}"
     writer = shm.Writer(directory, own, _INLINE_LIMIT)
     orphaned = False  # nobody will read our segments any more
     terminated = False  # SIGTERM ended us
     events: Any = None
     try:
-        message = _recv(control)
+        message = recv_from_parent(control, parent)
         if message == _STOP:
             return
         spec = pickle.loads(message)
@@ -338,23 +327,23 @@ def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: 
             # Wait for a credit before producing, and take every pending message
             # (credits, or the stop) without waiting when there is one.
             while credits == 0 or control.poll():
-                if _recv(control) == _STOP:
+                if recv_from_parent(control, parent) == _STOP:
                     return
                 credits += 1
             event = next(events)
             if event[0] == "end":
-                _send(data, pickle.dumps(event, protocol=_PROTOCOL))
+                send_to_parent(data, pickle.dumps(event, protocol=_PROTOCOL))
                 return
             _, payload, state = event
             ref = writer.dump([_encode(payload)])
             del payload, event
             try:
-                _send(data, pickle.dumps(("batch", ref, state), protocol=_PROTOCOL))
-            except _Orphaned:
+                send_to_parent(data, pickle.dumps(("batch", ref, state), protocol=_PROTOCOL))
+            except Orphaned:
                 writer.discard(ref)
                 raise
             credits -= 1
-    except _Orphaned:
+    except Orphaned:
         orphaned = True
     except SystemExit:
         # SIGTERM (from the loader, or to the whole group): clean up below, then exit

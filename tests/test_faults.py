@@ -587,3 +587,61 @@ def test_the_sigterm_handler_is_the_pools_only_while_one_is_alive_and_passes_the
     finally:
         signal.signal(signal.SIGTERM, saved)
     assert_released(clean)
+
+
+# An in-process loader whose pipeline runs a process pool: the pool starts on the
+# loader's prefetch thread.
+_IN_PROCESS_LOADER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import zephon_torch as zt
+
+    def slow(payload):
+        time.sleep(0.002)
+        return {"input_ids": np.full(1024, len(payload["text"]), np.int64)}
+
+    if __name__ == "__main__":
+        pipe = (zt.Pipeline.from_items([f"doc {i} " * 9 for i in range(10**6)], num_lanes=4,
+                                       chunk_size=8)
+                .map_transform(slow).shuffle(64, seed=1).batch(4))
+        loader = zt.DataLoader(pipe, runner="process", in_process=True, num_workers=2,
+                               to_training=False)
+        for k, _ in enumerate(loader):
+            if k == 5:
+                print("running", flush=True)
+            time.sleep(0.01)
+""")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_an_in_process_loader_with_a_process_pool_leaves_no_segment(
+        tmp_path: Path, sig: signal.Signals) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_IN_PROCESS_LOADER)
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ZEPHON_SHM_DIR": str(shm_dir)}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "running", proc.stderr.read()
+        deadline = time.monotonic() + 20
+        while not os.listdir(shm_dir) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.listdir(shm_dir), "expected live segments"
+        os.kill(proc.pid, sig)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    time.sleep(2)  # the pool's workers notice their parent is gone
+    left = sorted(os.listdir(shm_dir))
+    for name in left:  # leave nothing behind: this test reports it
+        with contextlib.suppress(OSError):
+            os.unlink(shm_dir / name)
+    # SIGTERM cleans up as SIGINT does, although the pool runs on the prefetch thread,
+    # where no signal handler can be installed (the loader holds one from the main thread).
+    assert left == []

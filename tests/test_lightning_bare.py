@@ -336,3 +336,35 @@ def test_lightning_reads_the_epoch_length_from_len_of_a_bare_loader(tmp_path: Pa
                          enable_checkpointing=False)
     trainer.fit(TinyLM(), _loader(pipe, in_process=True))
     assert trainer.num_training_batches == len(_loader(pipe)) == 12
+
+
+def test_a_fit_loop_class_lightning_renamed_warns_instead_of_a_quietly_shifted_position(
+        tmp_path: Path) -> None:
+    # A Lightning whose fit loop has another class name: the loader cannot read it,
+    # sees Trainer.fit iterating it through public attributes, and says so.
+    loader = _loader(in_process=True)
+    seen: dict[str, Any] = {}
+
+    class RenameFitLoop(Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step != 2:
+                return
+            seen["right"] = loader.state_dict()  # the fit loop as this release has it
+            cls = type(trainer.fit_loop)
+            name = cls.__name__
+            cls.__name__ = "_FitLoopRenamed"  # as a Lightning release that renamed it
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    seen["renamed"] = loader.state_dict()
+            finally:
+                cls.__name__ = name
+            seen["warnings"] = [w for w in caught if issubclass(w.category, RuntimeWarning)
+                                and "ZephonDataModule" in str(w.message)]
+
+    _fit(tmp_path, TinyLM(), loader, callbacks=[RenameFitLoop()], max_steps=4)
+    assert "right" in seen
+    assert seen["renamed"] != seen["right"]  # the prefetched batch is counted now ...
+    assert len(seen["warnings"]) == 1  # ... and the loader says so, once
+    assert "is not one this loader can read" in str(seen["warnings"][0].message)
+    assert seen["warnings"][0].filename == __file__  # names the caller of state_dict()

@@ -616,7 +616,57 @@ def fit_loop_view(loader: DataLoader) -> FitView | None:
                 saving = frame.f_code.co_name == "on_save_checkpoint"
                 return _read_fit_loop(loader, owner, module.split(".")[0], saving)
         frame = frame.f_back
+    _check_unrecognised_fit(loader)
     return None
+
+
+def _check_unrecognised_fit(loader: DataLoader) -> None:
+    """Warn (once) when a ``Trainer.fit`` of ``loader`` runs but no fit loop was recognised.
+
+    The fallback for a Lightning whose fit loop has another class name or
+    module: a frame of Lightning's on the stack belongs to (or holds) a
+    ``Trainer`` that is fitting (``trainer.state.fn``) with ``loader`` among
+    its ``train_dataloader`` (public attributes only), so the position this
+    loader would save cannot account for the batches the fetcher holds.
+    """
+    frame = sys._getframe(2)
+    while frame is not None:
+        package = str(frame.f_globals.get("__name__", "")).split(".")[0]
+        if package in ("lightning", "pytorch_lightning"):
+            owner = frame.f_locals.get("self")
+            for trainer in (owner, getattr(owner, "trainer", None)):
+                if _fits_with(trainer, loader, package):
+                    version = str(getattr(sys.modules.get(package), "__version__",
+                                          "of unknown version"))
+                    _warn_lightning(loader, "structure", (
+                        f"zephon DataLoader under {package} {version}: Trainer.fit iterates "
+                        "this loader, but its fit loop is not one this loader can read (no "
+                        "class named _FitLoop in " + " or ".join(_FIT_LOOP_MODULES) + " on the "
+                        "call stack), so the position saved in checkpoints may be off by the "
+                        "batch(es) Lightning prefetched (a resume would skip them). Use "
+                        "zephon_torch.lightning.ZephonDataModule, which counts batches "
+                        "through a public hook, instead of passing the loader to Trainer.fit "
+                        "directly"), stacklevel=6)
+                    return
+        frame = frame.f_back
+
+
+def _fits_with(trainer: Any, loader: DataLoader, package: str) -> bool:
+    """Whether ``trainer`` is a Lightning ``Trainer`` fitting with ``loader`` as a train loader."""
+    module = sys.modules.get("lightning.pytorch" if package == "lightning" else package)
+    trainer_class = getattr(module, "Trainer", None)
+    if trainer_class is None or not isinstance(trainer, trainer_class):
+        return False
+    try:
+        fitting = str(getattr(trainer.state.fn, "value", trainer.state.fn)) == "fit"
+        loaders = trainer.train_dataloader
+    except Exception:  # a trainer of another shape: nothing to say about it
+        return False
+    if isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    elif not isinstance(loaders, (list, tuple)):
+        loaders = [loaders]
+    return fitting and any(dl is loader for dl in loaders)
 
 
 def _read_fit_loop(loader: DataLoader, loop: Any, package: str, saving: bool) -> FitView | None:
@@ -689,14 +739,14 @@ def _check_lightning_version(loader: DataLoader, package: str, version: str) -> 
     ))
 
 
-def _warn_lightning(loader: DataLoader, key: str, message: str) -> None:
+def _warn_lightning(loader: DataLoader, key: str, message: str, stacklevel: int = 7) -> None:
     given = _WARNED.setdefault(loader, set())
     if key in given:
         return
     given.add(key)
     # Named: the caller of DataLoader.state_dict(), seven frames up (state_dict, _fit_view,
     # fit_loop_view, _read_fit_loop, the check, this function).
-    warnings.warn(message, RuntimeWarning, stacklevel=7)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def _is_fit_loop(obj: object) -> bool:

@@ -100,7 +100,7 @@ from zephon_torch.runners.assembly import (
     make_schedule,
     stage_contexts,
 )
-from zephon_torch.runners.process import _unwatch_sigterm, _watch_sigterm, describe_exit, reap
+from zephon_torch.runners.process import describe_exit, reap, unwatch_sigterm, watch_sigterm
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.types import SampleBatch
 
@@ -416,7 +416,7 @@ class LaneRun:
                 self._closing = True
                 self._finalizer()
                 raise
-            _watch_sigterm(self._teardown)
+            watch_sigterm(self._teardown)
 
     def _send_jobs(self) -> None:
         import cloudpickle  # user functions in the pipeline travel by value
@@ -573,7 +573,7 @@ class _Teardown:
         """Stop the workers (politely, then SIGTERM, then SIGKILL), join them, sweep."""
         if os.getpid() != self.pid:  # a forked child collecting its copy: its parent's
             return
-        _unwatch_sigterm(self)
+        unwatch_sigterm(self)
         workers = self.workers
         for worker in workers:
             with contextlib.suppress(OSError):

@@ -84,7 +84,8 @@ from zephon_torch.runners.wire import WorkerTraceback
 from zephon_torch.runners.worker import worker_main
 
 # WorkerTraceback lives in wire.py; it stays importable from here.
-__all__ = ["ProcessPool", "WorkerTraceback", "describe_exit", "reap"]
+__all__ = ["ProcessPool", "SigtermGuard", "WorkerTraceback", "describe_exit", "reap",
+           "unwatch_sigterm", "watch_sigterm"]
 
 _START_METHODS = ("spawn", "forkserver")
 
@@ -153,7 +154,9 @@ def _fail(future: cf.Future, exc: BaseException) -> None:
 # A SIGTERM that was ignored (SIG_IGN) or handled in C (no Python handler to
 # chain to) stays as it is. The handler is put back when the last pool closes,
 # if nobody replaced ours meanwhile and the close happens on the main thread.
-_LIVE: set[_Supervisor] = set()  # pools of this process whose clean-up SIGTERM must do
+# Pools of this process whose clean-up SIGTERM must do (anything with a
+# ``terminate_now()``: a pool's supervisor, a lane run's teardown, a guard).
+_LIVE: set[Any] = set()
 _sigterm_previous: Any = signal.SIG_DFL  # the disposition ours replaced when installed
 
 
@@ -176,7 +179,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # not reached unless the signal was blocked
 
 
-def _watch_sigterm(supervisor: _Supervisor) -> None:
+def watch_sigterm(supervisor: Any) -> None:
     """Count ``supervisor`` as live, installing our SIGTERM handler if we can."""
     global _sigterm_previous
     _LIVE.add(supervisor)
@@ -191,7 +194,7 @@ def _watch_sigterm(supervisor: _Supervisor) -> None:
     _sigterm_previous = current
 
 
-def _unwatch_sigterm(supervisor: _Supervisor) -> None:
+def unwatch_sigterm(supervisor: Any) -> None:
     """Forget ``supervisor``; the last one puts the previous SIGTERM handler back."""
     _LIVE.discard(supervisor)
     if _LIVE or threading.current_thread() is not threading.main_thread():
@@ -200,6 +203,29 @@ def _unwatch_sigterm(supervisor: _Supervisor) -> None:
         signal.signal(signal.SIGTERM, _sigterm_previous)
     # Otherwise someone replaced ours; _sigterm_previous stays, for a handler of
     # theirs that passes the signal on to ours.
+
+
+class SigtermGuard:
+    """Our SIGTERM handling, installed on the main thread for pools started on others.
+
+    ``signal.signal`` works on the main thread only, so a pool started on
+    another thread (the pipeline of an in-process ``zephon_torch.DataLoader``
+    runs on its prefetch thread) cannot install the handler itself. A guard
+    made on the main thread installs it for as long as the guard is held;
+    the pools register themselves as live wherever they start, and the
+    handler tears down whichever are live when the signal comes. The guard
+    itself owns nothing to tear down.
+    """
+
+    def __init__(self) -> None:
+        watch_sigterm(self)
+
+    def terminate_now(self) -> None:
+        """Nothing of its own: the live pools are torn down by the handler."""
+
+    def release(self) -> None:
+        """Stop holding the handler (it is put back when nothing else holds it)."""
+        unwatch_sigterm(self)
 
 
 # --------------------------------------------------------------------------- main side
@@ -625,7 +651,7 @@ class _Supervisor:
                 worker.alive = False
                 self._retire(worker)
         shm.sweep_prefix(self.directory, f"{self.prefix}-")
-        _unwatch_sigterm(self)
+        unwatch_sigterm(self)
         if thread is None or not thread.is_alive():
             for fd in (self._wake_r, self._wake_w):
                 with contextlib.suppress(OSError):
@@ -697,7 +723,7 @@ class ProcessPool(Pool):
             start_method=start_method, task_timeout=task_timeout,
         )
         self._finalizer = weakref.finalize(self, self._supervisor.shutdown)
-        _watch_sigterm(self._supervisor)
+        watch_sigterm(self._supervisor)
 
     @property
     def prefix(self) -> str:

@@ -145,6 +145,7 @@ from zephon_torch.length import unknown_reason
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.assembly import remote_stages
 from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
+from zephon_torch.runners.process import SigtermGuard
 from zephon_torch.runners.resume import narrow_state
 from zephon_torch.topology import owned_lanes, resolve_topology, warn_idle_workers
 from zephon_torch.torch._loader_dist import StepVote
@@ -522,7 +523,12 @@ class DataLoader:
                 RuntimeWarning, stacklevel=3,
             )
             in_process = True
+        guard = None
         if in_process:
+            if self.runner == "process" and threading.current_thread() is threading.main_thread():
+                # The pool starts on the prefetch thread, where no signal handler can be
+                # installed: hold ours from here, so that SIGTERM still unlinks its segments.
+                guard = SigtermGuard()
             producer: Any = InProcessProducer(spec)
         else:
             # As in torch, prefetch_factor batches per worker may be in flight: finished
@@ -532,7 +538,7 @@ class DataLoader:
         self._producer = producer
         vote = StepVote.create(rank, world_size) if self.on_uneven == "stop" else None
         placer = Placer(with_index(self.device), self.pin_memory)
-        return _Run(producer, placer, self.prefetch_factor, vote)
+        return _Run(producer, placer, self.prefetch_factor, vote, guard)
 
     def _end_active(self, reason: str | None = None) -> None:
         """End the current iteration; ``reason``: why, for an iterator in progress to raise."""
@@ -896,8 +902,9 @@ class _Run:
     """
 
     def __init__(self, producer: Any, placer: Placer, prefetch_factor: int,
-                 vote: StepVote | None) -> None:
+                 vote: StepVote | None, guard: SigtermGuard | None = None) -> None:
         self.producer = producer
+        self.guard = guard  # SIGTERM handling for a pool on the prefetch thread
         self.placer = placer
         self.vote = vote
         self.queue: queue.Queue[tuple] = queue.Queue(maxsize=prefetch_factor)
@@ -996,6 +1003,8 @@ class _Run:
             # After a timeout the thread may be stuck in the pipeline (in process): it ends
             # by itself, closing the pipeline iterator, when that call returns.
             self.thread.join(timeout=_POLL if self.timed_out else 10.0)
+        if self.guard is not None:
+            self.guard.release()
         _LIVE_RUNS.discard(self)
 
 

@@ -556,7 +556,7 @@ def grain_contender(job: str, files: list[str], tokenizer: str, workers: int = 0
 
 def zephon_pipeline(job: str, files: list[str], tokenizer: str, *, algorithm: str = "first_fit",
                     shuffle_batch: bool = True, flush_every: int | None = None,
-                    shuffle_source: bool = False) -> Any:
+                    shuffle_source: bool = False, num_lanes: int = 1) -> Any:
     """The same job as a zephon_torch pipeline.
 
     ``flush_every`` is the source's ``flush_every_k_chunks``: ``None`` keeps the
@@ -564,11 +564,13 @@ def zephon_pipeline(job: str, files: list[str], tokenizer: str, *, algorithm: st
     checkpoint never has to hold them), a large number all but turns it off.
     ``shuffle_source`` is the source's ``shuffle``: False reads the files in
     order as the hand-written contenders do; True is the default of a file
-    source (a seeded shard and row-group order per pass).
+    source (a seeded shard and row-group order per pass). ``num_lanes`` above 1
+    packs each lane's documents apart (the lane workers' contender), so its rows
+    differ a little while the tokens delivered are the same.
     """
     import zephon_torch as zt
 
-    source = {"num_lanes": 1, "chunk_size": 512, "shuffle": shuffle_source,
+    source = {"num_lanes": num_lanes, "chunk_size": 512, "shuffle": shuffle_source,
               "flush_every_k_chunks": flush_every}
     if job == "text":
         tok, _eos = load_tokenizer(tokenizer)
@@ -583,13 +585,14 @@ def zephon_pipeline(job: str, files: list[str], tokenizer: str, *, algorithm: st
 
 
 def zephon_contender(job: str, files: list[str], tokenizer: str, runner: str = "inline",
-                     workers: int = 1, shuffle: bool = False, **_: Any) -> Any:
+                     workers: int = 1, shuffle: bool = False, num_lanes: int = 1,
+                     **_: Any) -> Any:
     """zephon_torch with the given runner and worker count; ``to_training`` makes the tensors.
 
     The result also holds the iterator's ``bytes_read`` and ``sample_bytes``
     (``stats()``), for the read amplification.
     """
-    pipe = zephon_pipeline(job, files, tokenizer, shuffle_source=shuffle)
+    pipe = zephon_pipeline(job, files, tokenizer, shuffle_source=shuffle, num_lanes=num_lanes)
 
     def run() -> dict[str, int]:
         tally = Tally()
@@ -621,6 +624,8 @@ CONTENDERS: dict[str, tuple[Any, dict[str, Any]]] = {
     "zephon-threads-2": (zephon_contender, {"runner": "threads", "workers": 2}),
     "zephon-process-1": (zephon_contender, {"runner": "process", "workers": 1}),
     "zephon-process-2": (zephon_contender, {"runner": "process", "workers": 2}),
+    # Lane workers (issue 15): 2 lanes, each packed, shuffled and batched whole in its worker.
+    "zephon-lanes-2": (zephon_contender, {"runner": "lanes", "workers": 2, "num_lanes": 2}),
 }
 
 

@@ -136,9 +136,11 @@ def batch_to_training(
     extra_fields, exclude_fields, fmt, native = plan
     columns = getattr(records, "columns", None)
     if columns is not None and not extra_fields and fmt.kind != "list":
+        enabled = _native._enabled
+        if enabled is None:
+            enabled = kernel_enabled()  # decided at the first call; warns if not built
         out = None
-        if native is not None and (_native._enabled if _native._enabled is not None
-                                   else kernel_enabled()):
+        if enabled and native is not None:
             out = columns_to_training(columns, records, tokens_field, native)
         if out is None and not flatten:
             out = _from_columns(

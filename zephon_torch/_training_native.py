@@ -124,7 +124,9 @@ class NativePlan:
         self.flags = ((_kernel.SHIFT if return_labels else 0)
                       | (_kernel.SEQUENCE_POSITIONS if sequence else 0)
                       | (_kernel.EOS if eos_token_id is not None else 0)
-                      | (_kernel.COUNT_VALID if return_num_valid_tokens else 0))
+                      | (_kernel.COUNT_VALID if return_num_valid_tokens else 0)
+                      | (_kernel.CU_SEQLENS if return_cu_seqlens else 0)
+                      | (_kernel.FLATTEN if flatten else 0))
 
 
 def native_plan(fmt: Any, *, return_labels: bool, ignore_index: int,
@@ -201,15 +203,13 @@ def columns_to_training(columns: Mapping[str, Any], rows: Any, tokens_field: str
                if positions is not None or plan.positions == "sequence" else None)
     loss_out = alloc(out_shape, np.float32) if plan.loss_mask else None
     pad_out = alloc(out_shape, np.bool_) if plan.padding_mask else None
-    starts = maxlen = None
-    if plan.cu_seqlens:
-        starts = np.empty(count * w, dtype=np.int32)
-        maxlen = alloc((count,), np.int32)
+    cu_seqlens = plan.cu_seqlens
+    maxlen = alloc((count,), np.int32) if cu_seqlens and not flatten else None
     done = _kernel.fill(
         tokens if tokens.flags.c_contiguous else np.ascontiguousarray(tokens),
         None if positions is None else np.ascontiguousarray(positions), loss,
         pads if labels or plan.padding_mask else None, plan.flags, plan.ignore_index, plan.eos,
-        inputs, label_out, pos_out, loss_out, pad_out, starts, maxlen)
+        inputs, label_out, pos_out, loss_out, pad_out, maxlen)
     if done is None:
         return None  # the twin raises the error naming the record
 
@@ -227,12 +227,15 @@ def columns_to_training(columns: Mapping[str, Any], rows: Any, tokens_field: str
         out["num_valid_tokens"] = done[0]
     if loss_out is not None:
         out["loss_mask"] = wrap(loss_out)
-    if starts is not None:
-        _, kmax, nstarts, longest = done
-        cu = alloc((nstarts + 1,) if flatten else (count, kmax + 1), np.int32)
-        _kernel.bounds(starts, nstarts, count, w, kmax, cu, flatten)
-        out["cu_seqlens"] = wrap(cu)
-        out["max_seqlen"] = longest if flatten else wrap(maxlen)
+    if cu_seqlens:
+        _, bounds, kmax, longest = done
+        cu = np.frombuffer(bounds, dtype=np.int32)  # writable: a bytearray
+        if flatten:
+            out["cu_seqlens"] = wrap(cu)
+            out["max_seqlen"] = longest
+        else:
+            out["cu_seqlens"] = wrap(cu.reshape(count, kmax + 1))
+            out["max_seqlen"] = wrap(maxlen)
     if pad_out is not None:
         out["padding_mask"] = wrap(pad_out)
     return out

@@ -13,9 +13,11 @@
  *   positions  the input-aligned payload positions, or 0..w-1 in every row;
  *   loss_out   1.0 where a label is not ignore_index, else 0.0 (float32);
  *   pad_out    True on each row's trailing padding (input-aligned, bool);
- *   starts     the columns where the input positions are 0, row after row
- *              (every row starts with column 0), and maxlen, each row's
- *              longest segment; bounds() then lays them out as cu_seqlens.
+ *   cu_seqlens the columns where the input positions are 0 (segment starts),
+ *              row by row, then each row's length (padded to the longest row's
+ *              count), or flattened, offset by each row's start in the batch;
+ *              returned as a bytearray of int32, with maxlen, each row's longest
+ *              segment, written into the caller's buffer.
  *
  * The twin is the numpy code in zephon_torch/_training.py, which states the
  * contract; tests/test_to_training_native.py holds the two to identical
@@ -32,7 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { SHIFT = 1, SEQUENCE_POSITIONS = 2, EOS = 4, COUNT_VALID = 8 };
+enum { SHIFT = 1, SEQUENCE_POSITIONS = 2, EOS = 4, COUNT_VALID = 8, CU_SEQLENS = 16,
+       FLATTEN = 32 };
 
 typedef struct {
     Py_ssize_t rows, width, w; /* tokens [rows, width]; outputs [rows, w] */
@@ -48,8 +51,12 @@ typedef struct {
     int out64;
     float *loss_out;
     uint8_t *pad_out;
-    int32_t *starts, *maxlen; /* NULL: no boundaries */
+    int32_t *maxlen; /* NULL: none (flattened boundaries need no per-row maxima) */
     /* results */
+    int32_t *starts;   /* with CU_SEQLENS: the segment starts, row after row (malloc) */
+    Py_ssize_t cap;    /* starts' capacity */
+    Py_ssize_t *count; /* with CU_SEQLENS: each row's number of starts (malloc) */
+    int oom;           /* starts could not grow */
     int64_t valid;
     Py_ssize_t kmax, nstarts;
     int32_t maxseg;
@@ -87,6 +94,15 @@ static void copy_values(void *dst, int dst64, const void *src, int src64, Py_ssi
     }
 }
 
+/* The first column from which `out` (items of `size` bytes) is 16-byte aligned, at most n.
+ * Rows of an odd width start off the alignment every other row, and vector stores that
+ * straddle cache lines are slower: each pass runs its first columns on their own. */
+static Py_ssize_t aligned_from(const void *out, size_t size, Py_ssize_t n) {
+    const uintptr_t off = (uintptr_t)out & 15;
+    const Py_ssize_t head = off && off % size == 0 ? (Py_ssize_t)((16 - off) / size) : 0;
+    return head < n ? head : n;
+}
+
 /* What the token pass of a row needs beyond its pointers. */
 typedef struct {
     Py_ssize_t w, end; /* labels from `end` on are padding */
@@ -94,19 +110,20 @@ typedef struct {
     int ign_cmp, use_eos; /* ignore_index, the EOS id fit CT */
 } TokenArgs;
 
-/* One row's tokens: inputs = t[j], labels = t[j + 1] unless ignored (from `end` on, where
- * the loss mask at j + 1 is 0, after an EOS input, or equal to ignore_index itself), the
- * float mask of the labels that count; returns their number. */
+/* Columns [j0, j1) of a row's tokens: inputs = t[j], labels = t[j + 1] unless ignored (from
+ * `end` on, where the loss mask at j + 1 is 0, after an EOS input, or equal to
+ * ignore_index itself), the float mask of the labels that count; returns their number. */
 #define DEFINE_TOKENS(NAME, TT, OT, CT)                                                      \
-    INLINE int64_t NAME##_body(const TT *restrict t, OT *restrict in, OT *restrict lab,      \
+    INLINE int32_t NAME##_body(const TT *restrict t, OT *restrict in, OT *restrict lab,      \
                                float *restrict lm, const uint8_t *restrict loss,             \
-                               const TokenArgs *a, const int use_loss, const int use_eos,    \
-                               const int use_lm, const int ign_cmp) {                        \
-        const Py_ssize_t w = a->w, end = a->end;                                             \
+                               const TokenArgs *a, Py_ssize_t j0, Py_ssize_t j1,             \
+                               const int use_loss, const int use_eos, const int use_lm,      \
+                               const int ign_cmp) {                                          \
+        const Py_ssize_t end = a->end < j1 ? a->end : j1;                                    \
         const OT ign = (OT)a->ignore;                                                        \
         const CT ign_c = (CT)a->ignore, eos_c = (CT)a->eos;                                  \
         int32_t valid = 0; /* rows are at most INT32_MAX wide */                             \
-        for (Py_ssize_t j = 0; j < end; j++) {                                               \
+        for (Py_ssize_t j = j0; j < end; j++) {                                              \
             const TT x = t[j], y = t[j + 1];                                                 \
             int32_t keep = 1;                                                                \
             if (ign_cmp) keep &= (CT)y != ign_c;                                             \
@@ -119,34 +136,43 @@ typedef struct {
             if (use_lm) lm[j] = (float)keep;                                                 \
             valid += keep;                                                                   \
         }                                                                                    \
-        for (Py_ssize_t j = end; j < w; j++) {                                               \
+        for (Py_ssize_t j = end > j0 ? end : j0; j < j1; j++) {                              \
             in[j] = (OT)t[j];                                                                \
             lab[j] = ign;                                                                    \
             if (use_lm) lm[j] = 0.0f;                                                        \
         }                                                                                    \
         return valid;                                                                        \
     }                                                                                        \
+    INLINE int32_t NAME##_row(const TT *t, OT *in, OT *lab, float *lm, const uint8_t *loss,  \
+                              const TokenArgs *a, const int use_loss, const int use_eos,     \
+                              const int use_lm, const int ign_cmp) {                         \
+        const Py_ssize_t head = aligned_from(in, sizeof(OT), a->w);                          \
+        return NAME##_body(t, in, lab, lm, loss, a, 0, head, use_loss, use_eos, use_lm,      \
+                           ign_cmp) +                                                        \
+               NAME##_body(t, in, lab, lm, loss, a, head, a->w, use_loss, use_eos, use_lm,   \
+                           ign_cmp);                                                         \
+    }                                                                                        \
     static int64_t NAME(const TT *t, OT *in, OT *lab, float *lm, const uint8_t *loss,        \
                         const TokenArgs *a) {                                                \
         const int sel = (loss != NULL) | (a->use_eos << 1) | ((lm != NULL) << 2) |           \
                         (a->ign_cmp << 3);                                                   \
         switch (sel) {                                                                       \
-        case 0: return NAME##_body(t, in, lab, lm, loss, a, 0, 0, 0, 0);                     \
-        case 1: return NAME##_body(t, in, lab, lm, loss, a, 1, 0, 0, 0);                     \
-        case 2: return NAME##_body(t, in, lab, lm, loss, a, 0, 1, 0, 0);                     \
-        case 3: return NAME##_body(t, in, lab, lm, loss, a, 1, 1, 0, 0);                     \
-        case 4: return NAME##_body(t, in, lab, lm, loss, a, 0, 0, 1, 0);                     \
-        case 5: return NAME##_body(t, in, lab, lm, loss, a, 1, 0, 1, 0);                     \
-        case 6: return NAME##_body(t, in, lab, lm, loss, a, 0, 1, 1, 0);                     \
-        case 7: return NAME##_body(t, in, lab, lm, loss, a, 1, 1, 1, 0);                     \
-        case 8: return NAME##_body(t, in, lab, lm, loss, a, 0, 0, 0, 1);                     \
-        case 9: return NAME##_body(t, in, lab, lm, loss, a, 1, 0, 0, 1);                     \
-        case 10: return NAME##_body(t, in, lab, lm, loss, a, 0, 1, 0, 1);                    \
-        case 11: return NAME##_body(t, in, lab, lm, loss, a, 1, 1, 0, 1);                    \
-        case 12: return NAME##_body(t, in, lab, lm, loss, a, 0, 0, 1, 1);                    \
-        case 13: return NAME##_body(t, in, lab, lm, loss, a, 1, 0, 1, 1);                    \
-        case 14: return NAME##_body(t, in, lab, lm, loss, a, 0, 1, 1, 1);                    \
-        default: return NAME##_body(t, in, lab, lm, loss, a, 1, 1, 1, 1);                    \
+        case 0: return NAME##_row(t, in, lab, lm, loss, a, 0, 0, 0, 0);                      \
+        case 1: return NAME##_row(t, in, lab, lm, loss, a, 1, 0, 0, 0);                      \
+        case 2: return NAME##_row(t, in, lab, lm, loss, a, 0, 1, 0, 0);                      \
+        case 3: return NAME##_row(t, in, lab, lm, loss, a, 1, 1, 0, 0);                      \
+        case 4: return NAME##_row(t, in, lab, lm, loss, a, 0, 0, 1, 0);                      \
+        case 5: return NAME##_row(t, in, lab, lm, loss, a, 1, 0, 1, 0);                      \
+        case 6: return NAME##_row(t, in, lab, lm, loss, a, 0, 1, 1, 0);                      \
+        case 7: return NAME##_row(t, in, lab, lm, loss, a, 1, 1, 1, 0);                      \
+        case 8: return NAME##_row(t, in, lab, lm, loss, a, 0, 0, 0, 1);                      \
+        case 9: return NAME##_row(t, in, lab, lm, loss, a, 1, 0, 0, 1);                      \
+        case 10: return NAME##_row(t, in, lab, lm, loss, a, 0, 1, 0, 1);                     \
+        case 11: return NAME##_row(t, in, lab, lm, loss, a, 1, 1, 0, 1);                     \
+        case 12: return NAME##_row(t, in, lab, lm, loss, a, 0, 0, 1, 1);                     \
+        case 13: return NAME##_row(t, in, lab, lm, loss, a, 1, 0, 1, 1);                     \
+        case 14: return NAME##_row(t, in, lab, lm, loss, a, 0, 1, 1, 1);                     \
+        default: return NAME##_row(t, in, lab, lm, loss, a, 1, 1, 1, 1);                     \
         }                                                                                    \
     }
 DEFINE_TOKENS(tokens_i32_i32, int32_t, int32_t, int32_t)
@@ -154,16 +180,16 @@ DEFINE_TOKENS(tokens_i32_i64, int32_t, int64_t, int32_t)
 DEFINE_TOKENS(tokens_i64_i32, int64_t, int32_t, int32_t)
 DEFINE_TOKENS(tokens_i64_i64, int64_t, int64_t, int64_t)
 
-/* One row's positions: copied to po (when `copy`) and, when `scan`, the columns where they
- * are 0 appended to starts (their count is returned). Blocks without a zero cost one
- * vectorised test. */
+/* Columns [j0, j1) of a row's positions: copied to po (when `copy`) and, when `scan`, the
+ * columns where they are 0 appended to starts (their count is returned). Blocks without a
+ * zero cost one vectorised test. */
 #define BLOCK 64
 #define DEFINE_POSITIONS(NAME, PT, OT)                                                     \
-    INLINE Py_ssize_t NAME##_body(const PT *restrict p, OT *restrict po, Py_ssize_t w,     \
-                                  int32_t *restrict starts, const int copy,                \
+    INLINE Py_ssize_t NAME##_body(const PT *restrict p, OT *restrict po, Py_ssize_t j0,    \
+                                  Py_ssize_t j1, int32_t *restrict starts, const int copy, \
                                   const int scan) {                                        \
-        Py_ssize_t n = 0, j = 0;                                                           \
-        for (; j + BLOCK <= w; j += BLOCK) {                                               \
+        Py_ssize_t n = 0, j = j0;                                                          \
+        for (; j + BLOCK <= j1; j += BLOCK) {                                              \
             int zero = 0;                                                                  \
             for (int k = 0; k < BLOCK; k++) {                                              \
                 const PT v = p[j + k];                                                     \
@@ -174,16 +200,22 @@ DEFINE_TOKENS(tokens_i64_i64, int64_t, int64_t, int64_t)
                 for (int k = 0; k < BLOCK; k++)                                            \
                     if (p[j + k] == 0) starts[n++] = (int32_t)(j + k);                     \
         }                                                                                  \
-        for (; j < w; j++) {                                                               \
+        for (; j < j1; j++) {                                                              \
             if (copy) po[j] = (OT)p[j];                                                    \
             if (scan && p[j] == 0) starts[n++] = (int32_t)j;                               \
         }                                                                                  \
         return n;                                                                          \
     }                                                                                      \
+    INLINE Py_ssize_t NAME##_row(const PT *p, OT *po, Py_ssize_t w, int32_t *starts,       \
+                                 const int copy, const int scan) {                         \
+        const Py_ssize_t head = copy ? aligned_from(po, sizeof(OT), w) : 0;                \
+        const Py_ssize_t n = NAME##_body(p, po, 0, head, starts, copy, scan);              \
+        return n + NAME##_body(p, po, head, w, starts + n, copy, scan);                    \
+    }                                                                                      \
     static Py_ssize_t NAME(const PT *p, OT *po, Py_ssize_t w, int32_t *starts) {           \
-        if (!starts) return NAME##_body(p, po, w, starts, 1, 0);                           \
-        if (!po) return NAME##_body(p, po, w, starts, 0, 1);                               \
-        return NAME##_body(p, po, w, starts, 1, 1);                                        \
+        if (!starts) return NAME##_row(p, po, w, starts, 1, 0);                            \
+        if (!po) return NAME##_row(p, po, w, starts, 0, 1);                                \
+        return NAME##_row(p, po, w, starts, 1, 1);                                         \
     }
 DEFINE_POSITIONS(positions_i32_i32, int32_t, int32_t)
 DEFINE_POSITIONS(positions_i32_i64, int32_t, int64_t)
@@ -222,7 +254,7 @@ static void run(Job *job) {
     a.eos = job->eos;
     a.ign_cmp = !narrow || fits32(job->ignore);
     a.use_eos = (job->flags & EOS) && (!narrow || fits32(job->eos));
-    int32_t *starts = job->starts;
+    const int cu = (job->flags & CU_SEQLENS) != 0;
     job->valid = 0;
     job->kmax = 0;
     job->nstarts = 0;
@@ -259,6 +291,22 @@ static void run(Job *job) {
             else iota_i32((int32_t *)po, w);
             po = NULL;
         }
+        int32_t *starts = NULL;
+        if (cu) {
+            /* Room for a start in every column of the row. */
+            if (!job->starts || job->cap - job->nstarts < w) {
+                Py_ssize_t cap = job->cap ? job->cap : 1024;
+                while (cap - job->nstarts < w) cap *= 2;
+                int32_t *grown = (int32_t *)realloc(job->starts, (size_t)cap * sizeof(int32_t));
+                if (!grown) {
+                    job->oom = 1;
+                    return;
+                }
+                job->starts = grown;
+                job->cap = cap;
+            }
+            starts = job->starts + job->nstarts;
+        }
         if (po || starts) {
             const char *pos = (const char *)job->positions + (size_t)(r * width) * psize;
             const Py_ssize_t n = positions_row(pos, job->pos64, po, job->out64, w, starts);
@@ -269,10 +317,10 @@ static void run(Job *job) {
                     const int32_t len = (k + 1 < n ? starts[k + 1] : (int32_t)w) - starts[k];
                     if (len > longest) longest = len;
                 }
-                starts += n;
+                job->count[r] = n;
                 job->nstarts += n;
                 if (n > job->kmax) job->kmax = n;
-                job->maxlen[r] = longest;
+                if (job->maxlen) job->maxlen[r] = longest;
                 if (longest > job->maxseg) job->maxseg = longest;
             }
         }
@@ -288,7 +336,7 @@ static void run(Job *job) {
 /* ------------------------------------------------------------------ arguments */
 
 typedef struct {
-    Py_buffer views[12];
+    Py_buffer views[10];
     int n;
 } Views;
 
@@ -346,12 +394,39 @@ static Py_buffer *take(Views *v, PyObject *obj, const char *name, char kind,
     return view;
 }
 
+/* The segment starts of a finished job laid out as cu_seqlens, a bytearray of int32:
+ * row-wise, [rows, kmax + 1], each row's starts, then its length w repeated; flattened,
+ * [nstarts + 1], the starts offset by row * w, then rows * w. */
+static PyObject *boundaries(const Job *job) {
+    const int flatten = (job->flags & FLATTEN) != 0;
+    const Py_ssize_t w = job->w, kmax = job->kmax;
+    const Py_ssize_t n = flatten ? job->nstarts + 1 : job->rows * (kmax + 1);
+    PyObject *bytes = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
+    if (!bytes) return NULL;
+    int32_t *out = (int32_t *)PyByteArray_AS_STRING(bytes);
+    const int32_t *s = job->starts;
+    for (Py_ssize_t r = 0; r < job->rows; r++) {
+        const Py_ssize_t k = job->count[r];
+        if (flatten) {
+            for (Py_ssize_t i = 0; i < k; i++) *out++ = (int32_t)(r * w + s[i]);
+        } else {
+            memcpy(out, s, (size_t)k * sizeof(int32_t));
+            for (Py_ssize_t i = k; i <= kmax; i++) out[i] = (int32_t)w;
+            out += kmax + 1;
+        }
+        s += k;
+    }
+    if (flatten) *out = (int32_t)(job->rows * w);
+    return bytes;
+}
+
 /* fill(tokens, positions, loss, pads, flags, ignore_index, eos_token_id,
- *      inputs, labels, pos_out, loss_out, pad_out, starts, maxlen)
- *   -> (valid, kmax, nstarts, maxseg), or None where the twin must decide. */
+ *      inputs, labels, pos_out, loss_out, pad_out, maxlen)
+ *   -> (valid, cu_seqlens, kmax, maxseg), or None where the twin must decide;
+ *   cu_seqlens is None without CU_SEQLENS. */
 static PyObject *fill(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 14) {
-        PyErr_Format(PyExc_TypeError, "fill() takes 14 arguments (%zd given)", nargs);
+    if (nargs != 13) {
+        PyErr_Format(PyExc_TypeError, "fill() takes 13 arguments (%zd given)", nargs);
         return NULL;
     }
     Job job;
@@ -447,9 +522,8 @@ static PyObject *fill(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     job.loss_out = (float *)buf;
     if (!take(&v, args[11], "pad_out", '?', 1, out_cells, 1, 1, &buf)) goto done;
     job.pad_out = (uint8_t *)buf;
-    if (!take(&v, args[12], "starts", 'i', 4, out_cells, 1, 1, &buf)) goto done;
-    job.starts = (int32_t *)buf;
-    if (!take(&v, args[13], "maxlen", 'i', 4, job.rows, job.starts == NULL, 1, &buf))
+    const int cu = (job.flags & CU_SEQLENS) != 0;
+    if (!take(&v, args[12], "maxlen", 'i', 4, job.rows, !cu || (job.flags & FLATTEN), 1, &buf))
         goto done;
     job.maxlen = (int32_t *)buf;
     if (job.pos_out && !(job.flags & SEQUENCE_POSITIONS) && !job.positions) {
@@ -460,12 +534,12 @@ static PyObject *fill(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
         PyErr_SetString(PyExc_ValueError, "masks and counts need labels");
         goto done;
     }
-    if (job.starts) {
+    if (cu) {
         if (!job.positions) {
-            PyErr_SetString(PyExc_ValueError, "starts need positions");
+            PyErr_SetString(PyExc_ValueError, "cu_seqlens need positions");
             goto done;
         }
-        if (job.w > INT32_MAX) {
+        if (job.w > INT32_MAX || ((job.flags & FLATTEN) && out_cells > INT32_MAX)) {
             result = Py_NewRef(Py_None);
             goto done;
         }
@@ -481,82 +555,41 @@ static PyObject *fill(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
         }
     }
 
+    if (cu) {
+        job.count = (Py_ssize_t *)malloc((size_t)(job.rows ? job.rows : 1) * sizeof(Py_ssize_t));
+        if (!job.count) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    if (job.w > INT32_MAX) { /* counts of labels per row are int32 */
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+
     Py_BEGIN_ALLOW_THREADS
     run(&job);
     Py_END_ALLOW_THREADS
-    result = Py_BuildValue("(LnnL)", (long long)job.valid, job.kmax, job.nstarts,
-                           (long long)job.maxseg);
+    if (job.oom) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyObject *bounds = cu ? boundaries(&job) : Py_NewRef(Py_None);
+    if (bounds)
+        result = Py_BuildValue("(LNnL)", (long long)job.valid, bounds, job.kmax,
+                               (long long)job.maxseg);
 done:
     release(&v);
     free(pads);
+    free(job.starts);
+    free(job.count);
     return result;
-}
-
-/* bounds(starts, nstarts, rows, w, kmax, out, flatten): lay the segment starts fill() found
- * out as cu_seqlens. Row-wise (flatten false): out is [rows, kmax + 1], each row its starts,
- * then w repeated. Flattened: out is [nstarts + 1], the starts offset by row * w, then
- * rows * w. A row's starts begin with its column 0, which is how the rows are told apart. */
-static PyObject *bounds(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "bounds() takes 7 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    Py_ssize_t nstarts = PyLong_AsSsize_t(args[1]), rows = PyLong_AsSsize_t(args[2]);
-    Py_ssize_t w = PyLong_AsSsize_t(args[3]), kmax = PyLong_AsSsize_t(args[4]);
-    int flatten = PyObject_IsTrue(args[6]);
-    if (PyErr_Occurred() || flatten < 0) return NULL;
-    if (nstarts < 0 || rows < 0 || w < 0 || kmax < 0 || w > INT32_MAX ||
-        (flatten && rows * w > INT32_MAX) || (w == 0 && nstarts != 0)) {
-        PyErr_SetString(PyExc_ValueError, "bounds(): arguments out of range");
-        return NULL;
-    }
-    Views v;
-    v.n = 0;
-    void *sbuf, *obuf;
-    const Py_ssize_t need = flatten ? nstarts + 1 : rows * (kmax + 1);
-    if (!take(&v, args[0], "starts", 'i', 4, nstarts, 0, 0, &sbuf) ||
-        !take(&v, args[5], "out", 'i', 4, need, 0, 1, &obuf)) {
-        release(&v);
-        return NULL;
-    }
-    const int32_t *s = (const int32_t *)sbuf;
-    int32_t *out = (int32_t *)obuf;
-    int bad = 0;
-    Py_BEGIN_ALLOW_THREADS
-    if (flatten) {
-        int64_t base = -w;
-        for (Py_ssize_t i = 0; i < nstarts; i++) {
-            if (s[i] == 0) base += w;
-            out[i] = (int32_t)(base + s[i]);
-        }
-        out[nstarts] = (int32_t)(rows * w);
-    } else {
-        Py_ssize_t i = 0;
-        for (Py_ssize_t r = 0; r < rows; r++) {
-            int32_t *row = out + r * (kmax + 1);
-            Py_ssize_t k = 0;
-            if (i < nstarts) row[k++] = s[i++]; /* the row's column 0 */
-            while (i < nstarts && s[i] != 0 && k < kmax) row[k++] = s[i++];
-            if (i < nstarts && s[i] != 0) bad = 1;
-            for (; k <= kmax; k++) row[k] = (int32_t)w;
-        }
-        if (i != nstarts) bad = 1;
-    }
-    Py_END_ALLOW_THREADS
-    release(&v);
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "bounds(): starts do not match rows and kmax");
-        return NULL;
-    }
-    Py_RETURN_NONE;
 }
 
 static PyMethodDef training_methods[] = {
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
      "fill(tokens, positions, loss, pads, flags, ignore_index, eos_token_id, inputs, labels, "
-     "pos_out, loss_out, pad_out, starts, maxlen) -> (valid, kmax, nstarts, maxseg) or None"},
-    {"bounds", (PyCFunction)(void (*)(void))bounds, METH_FASTCALL,
-     "bounds(starts, nstarts, rows, w, kmax, out, flatten): cu_seqlens from fill()'s starts"},
+     "pos_out, loss_out, pad_out, maxlen) -> (valid, cu_seqlens, kmax, maxseg) or None"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -574,7 +607,9 @@ PyMODINIT_FUNC PyInit_training(void) {
     if (PyModule_AddIntConstant(m, "SHIFT", SHIFT) < 0 ||
         PyModule_AddIntConstant(m, "SEQUENCE_POSITIONS", SEQUENCE_POSITIONS) < 0 ||
         PyModule_AddIntConstant(m, "EOS", EOS) < 0 ||
-        PyModule_AddIntConstant(m, "COUNT_VALID", COUNT_VALID) < 0) {
+        PyModule_AddIntConstant(m, "COUNT_VALID", COUNT_VALID) < 0 ||
+        PyModule_AddIntConstant(m, "CU_SEQLENS", CU_SEQLENS) < 0 ||
+        PyModule_AddIntConstant(m, "FLATTEN", FLATTEN) < 0) {
         Py_DECREF(m);
         return NULL;
     }

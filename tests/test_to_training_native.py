@@ -293,3 +293,49 @@ def test_the_kernel_refuses_buffers_of_the_wrong_kind() -> None:
         kernel.fill(np.zeros((4, 2), dtype=np.int32).T, None, None, None, 0, 0, 0, out, *none)
     with pytest.raises(TypeError, match="fill\\(\\) takes 13 arguments"):
         kernel.fill(tokens)
+
+
+@needs_kernel
+def test_pinned_outputs_are_the_tensors_the_pinned_allocator_made(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``pin_memory=True`` the kernel fills pinned tensors through their numpy views
+    and returns those very tensors (the pinned allocator tracks copies only on its own)."""
+    from zephon_torch._training import _output_format
+
+    made: list[torch.Tensor] = []
+    real_empty = torch.empty
+
+    def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        assert pin_memory  # a stand-in for pinned memory on a machine without a GPU
+        made.append(real_empty(*args, **kwargs))
+        return made[-1]
+
+    plan = _training_native.native_plan(
+        _output_format("auto", None, True), return_labels=True, ignore_index=-100,
+        return_num_valid_tokens=True, return_loss_mask=True, return_cu_seqlens=True,
+        return_padding_mask=True, eos_token_id=None, position_mode="preserve", flatten=False)
+    assert plan is not None
+    batch = _bench_batch()
+    monkeypatch.setattr(torch, "empty", empty)
+    out = _training_native.columns_to_training(batch.block.fields, batch._training_rows(),
+                                               "auto", plan)
+    monkeypatch.undo()
+    assert out is not None
+    pinned = [out[k] for k in ("input_ids", "labels", "positions", "loss_mask", "max_seqlen",
+                               "padding_mask")]
+    assert sorted(map(id, made)) == sorted(map(id, pinned))
+    monkeypatch.setattr(_training_native, "_enabled", False)
+    assert_same_output(out, batch.to_training(
+        return_labels=True, return_num_valid_tokens=True, return_loss_mask=True,
+        return_cu_seqlens=True, return_padding_mask=True))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_pin_memory_without_a_gpu_fails_as_on_the_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    errors = []
+    for native in (True, False):
+        monkeypatch.setattr(_training_native, "_enabled", native and NATIVE)
+        with pytest.raises(RuntimeError) as caught:
+            _bench_batch().to_training(return_labels=True, pin_memory=True)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]

@@ -623,21 +623,6 @@ class _OutputFormat:
         self.native_dtype = (self.work_dtype if self.kind != "list" and exact
                              and self.work_dtype in INTEGER_TYPES else None)
 
-    def wrap_native(self, array: np.ndarray) -> Any:
-        """A filled array (from ``np.empty`` or :meth:`pinned_empty`) as the output kind."""
-        return self.torch.from_numpy(array) if self.kind == "torch" else array
-
-    def pinned_empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """The numpy view of an empty pinned tensor; plain memory where pinning fails (the
-        later :meth:`place` then raises as for any tensor)."""
-        try:
-            # int32, int64, float32 and bool carry the same names in torch and numpy.
-            tensor = self.torch.empty(shape, dtype=getattr(self.torch, np.dtype(dtype).name),
-                                      pin_memory=True)
-        except RuntimeError:
-            return np.empty(shape, dtype=dtype)
-        return tensor.numpy()
-
     def convert(self, array: np.ndarray, dtype: str | None) -> Any:
         """Turn a finished numpy array into the output kind."""
         if self.kind == "list":

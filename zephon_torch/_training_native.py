@@ -99,8 +99,9 @@ class NativePlan:
     to a batch.
     """
 
-    __slots__ = ("alloc", "count_valid", "cu_seqlens", "dtype", "eos", "flags", "flatten",
-                 "ignore_index", "labels", "loss_mask", "padding_mask", "positions", "wrap")
+    __slots__ = ("count_valid", "cu_seqlens", "dtype", "eos", "flags", "flatten",
+                 "ignore_index", "labels", "loss_mask", "padding_mask", "pin", "positions",
+                 "torch")
 
     def __init__(self, fmt: Any, *, return_labels: bool, ignore_index: int,
                  return_num_valid_tokens: bool, return_loss_mask: bool,
@@ -108,8 +109,9 @@ class NativePlan:
                  position_mode: str, flatten: bool) -> None:
         assert _kernel is not None
         self.dtype = fmt.native_dtype
-        self.alloc = fmt.pinned_empty if fmt.pin_memory else np.empty
-        self.wrap = fmt.torch.from_numpy if fmt.kind == "torch" else None
+        #: the torch module for tensor output, None for numpy arrays
+        self.torch = fmt.torch if fmt.kind == "torch" else None
+        self.pin = bool(fmt.pin_memory)
         self.labels = bool(return_labels)
         self.ignore_index = int(ignore_index) if return_labels else 0
         self.eos = 0 if eos_token_id is None else int(eos_token_id)
@@ -195,7 +197,11 @@ def columns_to_training(columns: Mapping[str, Any], rows: Any, tokens_field: str
     if texts is not None and not all(t is None or isinstance(t, str) for t in texts):
         return None  # the twin names the record
 
-    alloc, dtype = plan.alloc, plan.dtype
+    dtype = plan.dtype
+    if plan.pin:
+        alloc, wrap = _pinned(plan.torch)
+    else:
+        alloc, wrap = np.empty, (_same if plan.torch is None else plan.torch.from_numpy)
     out_shape = (count * w,) if flatten else (count, w)
     inputs = alloc(out_shape, dtype)
     label_out = alloc(out_shape, dtype) if labels else None
@@ -213,7 +219,6 @@ def columns_to_training(columns: Mapping[str, Any], rows: Any, tokens_field: str
     if done is None:
         return None  # the twin raises the error naming the record
 
-    wrap = plan.wrap or _same
     out: dict[str, Any] = {
         "ids": rows.sample_ids,
         "texts": [""] * count if texts is None else ["" if t is None else t for t in texts],
@@ -243,3 +248,31 @@ def columns_to_training(columns: Mapping[str, Any], rows: Any, tokens_field: str
 
 def _same(array: np.ndarray) -> np.ndarray:
     return array
+
+
+def _pinned(torch: Any) -> tuple[Any, Any]:
+    """An allocator of pinned tensors seen as numpy arrays, and the function that gives an
+    array's tensor back (or wraps an array allocated otherwise).
+
+    The tensor itself is returned, not a new one over its memory: the pinned allocator
+    keeps a block from reuse until the copies that read it finish only for tensors that
+    it allocated (``non_blocking`` device copies record their stream on it).
+    """
+    tensors: dict[int, Any] = {}
+
+    def alloc(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        try:
+            # int32, int64, float32 and bool carry the same names in torch and numpy.
+            tensor = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name),
+                                 pin_memory=True)
+        except RuntimeError:  # no accelerator: plain memory; place() then fails as for any
+            return np.empty(shape, dtype=dtype)
+        array = tensor.numpy()
+        tensors[id(array)] = tensor  # the arrays live as long as the call: ids are unique
+        return array
+
+    def wrap(array: np.ndarray) -> Any:
+        tensor = tensors.get(id(array))
+        return torch.from_numpy(array) if tensor is None else tensor
+
+    return alloc, wrap

@@ -283,7 +283,7 @@ def test_the_kernel_refuses_buffers_of_the_wrong_kind() -> None:
     none = (None,) * 5
     with pytest.raises(TypeError, match="tokens must be a 2-D array"):
         kernel.fill(tokens.ravel(), None, None, None, 0, 0, 0, out, *none)
-    with pytest.raises(TypeError, match="inputs must hold at least 8 items"):
+    with pytest.raises(TypeError, match="inputs must hold at least 8 signed integers of 4 or 8"):
         kernel.fill(tokens, None, None, None, 0, 0, 0, out[:1], *none)
     with pytest.raises(TypeError, match="inputs must be a writable"):
         readonly = out.copy()

@@ -384,10 +384,17 @@ static Py_buffer *take(Views *v, PyObject *obj, const char *name, char kind,
                                  : (view->itemsize == 4 || view->itemsize == 8);
     if (!size_ok || k == 0 || (view->itemsize != 1 && k != kind) ||
         view->len < count * view->itemsize) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s must hold at least %zd items of kind %c and %zd bytes (0: 4 or 8), "
-                     "got %zd bytes of items of %zd bytes", name, count, kind, itemsize,
-                     view->len, view->itemsize);
+        const char *what = kind == 'i' ? "signed integers" : kind == 'f' ? "floats" : "bytes";
+        if (itemsize)
+            PyErr_Format(PyExc_TypeError,
+                         "%s must hold at least %zd %s of %zd bytes, got %zd bytes of %zd-byte "
+                         "items (format %s)", name, count, what, itemsize, view->len,
+                         view->itemsize, view->format ? view->format : "B");
+        else
+            PyErr_Format(PyExc_TypeError,
+                         "%s must hold at least %zd %s of 4 or 8 bytes, got %zd bytes of "
+                         "%zd-byte items (format %s)", name, count, what, view->len,
+                         view->itemsize, view->format ? view->format : "B");
         return NULL;
     }
     *buf = view->buf;

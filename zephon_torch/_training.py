@@ -1,5 +1,11 @@
 """``SampleBatch.to_training``: from records to the tensors a model eats.
 
+A pipeline's batch of packed rows (a block's ``[B, S]`` columns) goes through
+the compiled kernel of :mod:`zephon_torch._training_native` when it is built
+and covers the case; the numpy code here is its twin and the contract, and
+handles everything else (records, ragged rows, odd dtypes, every error). The
+options are checked once per distinct set of options.
+
 The work is a handful of whole-batch array passes; nothing loops over tokens.
 
 1. Gather the token rows (a payload field, or the payload itself when it is

@@ -9,6 +9,10 @@ general path, row by row). The floor is ``torch.from_numpy(np.stack(rows))``:
 stacking the token rows into one tensor. All are timed side by side in the
 same process, interleaved, so that machine noise hits them alike.
 
+A pipeline's batch goes through the compiled kernel
+(``zephon_torch/_native/training.c``) when it is built; ``ZEPHON_NATIVE=0``
+times its numpy twin instead. The first line says which one ran.
+
 Run: ``.venv/bin/python benchmarks/bench_to_training.py [--rows 8 --length 4096]``
 """
 
@@ -22,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from zephon_torch._training_native import kernel_enabled
 from zephon_torch.block import Block, BlockBatch
 from zephon_torch.types import PACKING_METADATA_TAG, SampleBatch, SampleMeta, SampleRecord
 
@@ -88,7 +93,9 @@ def main() -> None:
         slow.append(time_call(records, args.repeats))
     floor_s, full_s = statistics.median(floors), statistics.median(fulls)
     records_s = statistics.median(slow)
-    print(f"batch: {args.rows} rows x {args.length} tokens, ~{args.segments} segments per row")
+    path = "the compiled kernel" if kernel_enabled() else "the numpy twin"
+    print(f"batch: {args.rows} rows x {args.length} tokens, ~{args.segments} segments per row; "
+          f"a pipeline's batch takes {path}")
     print(f"floor  torch.from_numpy(np.stack(rows)):  {floor_s * 1e6:8.1f} us per batch "
           f"(median of {args.rounds} rounds x {args.repeats} calls)")
     print(f"to_training(labels, cu_seqlens, loss_mask), a pipeline's batch (columns): "

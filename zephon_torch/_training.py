@@ -1,5 +1,11 @@
 """``SampleBatch.to_training``: from records to the tensors a model eats.
 
+A pipeline's batch of packed rows (a block's ``[B, S]`` columns) goes through
+the compiled kernel of :mod:`zephon_torch._training_native` when it is built
+and covers the case; the numpy code here is its twin and the contract, and
+handles everything else (records, ragged rows, odd dtypes, every error). The
+options are checked once per distinct set of options.
+
 The work is a handful of whole-batch array passes; nothing loops over tokens.
 
 1. Gather the token rows (a payload field, or the payload itself when it is
@@ -34,12 +40,24 @@ from typing import Any
 
 import numpy as np
 
+from zephon_torch import _training_native as _native
+from zephon_torch._training_native import (
+    INTEGER_TYPES,
+    NativePlan,
+    columns_to_training,
+    kernel_enabled,
+    native_plan,
+)
 from zephon_torch.vocab import PACKING_METADATA_TAG, find_token_field
 
 __all__ = ["batch_to_training"]
 
 
 _INT32_MAX = 2**31 - 1
+#: Checked options and output format per distinct set of options (bounded).
+_PLANS: dict[tuple[Any, ...],
+             tuple[tuple[str, ...], tuple[str, ...], _OutputFormat, NativePlan | None]] = {}
+_MAX_PLANS = 256
 
 
 def batch_to_training(
@@ -87,26 +105,63 @@ def batch_to_training(
             eos_token_id=eos_token_id if eos_mask_loss else None,
             fmt=_output_format(dtype, device, pin_memory),
         )
-    extra_fields, exclude_fields = _validate_options(
-        return_labels=return_labels, extra_fields=extra_fields,
-        exclude_fields=exclude_fields, ignore_index=ignore_index,
-        return_num_valid_tokens=return_num_valid_tokens,
-        return_loss_mask=return_loss_mask, return_cu_seqlens=return_cu_seqlens,
-        return_padding_mask=return_padding_mask, eos_mask_loss=eos_mask_loss,
-        eos_token_id=eos_token_id, position_mode=position_mode,
-    )
-    fmt = _output_format(dtype, device, pin_memory)
-    columns = getattr(records, "columns", None)
-    if columns is not None and not extra_fields and not flatten and fmt.kind != "list":
-        out = _from_columns(
-            columns, records, tokens_field=tokens_field, return_labels=return_labels, fmt=fmt,
-            ignore_index=ignore_index, return_num_valid_tokens=return_num_valid_tokens,
+    # The options are checked once per distinct set: the checks and the output format
+    # cost as much as the native fill itself. Types are part of the key (True == 1).
+    key = (return_labels, dtype, type(dtype), extra_fields, ignore_index, type(ignore_index),
+           flatten, exclude_fields, return_num_valid_tokens, return_loss_mask,
+           return_cu_seqlens, return_padding_mask, eos_mask_loss, eos_token_id,
+           type(eos_token_id), position_mode, device, pin_memory)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable option (a list of names, say): checked every time
+        plan = key = None
+    if plan is None:
+        extra, exclude = _validate_options(
+            return_labels=return_labels, extra_fields=extra_fields,
+            exclude_fields=exclude_fields, ignore_index=ignore_index,
+            return_num_valid_tokens=return_num_valid_tokens,
             return_loss_mask=return_loss_mask, return_cu_seqlens=return_cu_seqlens,
-            return_padding_mask=return_padding_mask,
-            eos_token_id=eos_token_id if eos_mask_loss else None, position_mode=position_mode)
+            return_padding_mask=return_padding_mask, eos_mask_loss=eos_mask_loss,
+            eos_token_id=eos_token_id, position_mode=position_mode,
+        )
+        fmt = _output_format(dtype, device, pin_memory)
+        native = None
+        if not extra and fmt.kind != "list":
+            native = native_plan(
+                fmt, return_labels=return_labels, ignore_index=ignore_index,
+                return_num_valid_tokens=return_num_valid_tokens,
+                return_loss_mask=return_loss_mask, return_cu_seqlens=return_cu_seqlens,
+                return_padding_mask=return_padding_mask,
+                eos_token_id=eos_token_id if eos_mask_loss else None,
+                position_mode=position_mode, flatten=flatten)
+        plan = (extra, exclude, fmt, native)
+        # An eos_token_id without eos_mask_loss warns at every call, so it is not cached.
+        if key is not None and len(_PLANS) < _MAX_PLANS and (
+                eos_token_id is None or eos_mask_loss):
+            _PLANS[key] = plan
+    extra_fields, exclude_fields, fmt, native = plan
+    columns = getattr(records, "columns", None)
+    if columns is not None and not extra_fields and fmt.kind != "list":
+        enabled = _native._enabled
+        if enabled is None:
+            enabled = kernel_enabled()  # decided at the first call; warns if not built
+        out = None
+        if enabled and native is not None:
+            out = columns_to_training(columns, records, tokens_field, native)
+        if out is None and not flatten:
+            out = _from_columns(
+                columns, records, tokens_field=tokens_field, return_labels=return_labels,
+                fmt=fmt, ignore_index=ignore_index,
+                return_num_valid_tokens=return_num_valid_tokens,
+                return_loss_mask=return_loss_mask, return_cu_seqlens=return_cu_seqlens,
+                return_padding_mask=return_padding_mask,
+                eos_token_id=eos_token_id if eos_mask_loss else None,
+                position_mode=position_mode)
         if out is not None:
-            out = _rename_and_exclude(out, rename_fields, exclude_fields, allow_missing=False)
-            return fmt.place(out)
+            if rename_fields or exclude_fields:
+                out = _rename_and_exclude(out, rename_fields, exclude_fields,
+                                          allow_missing=False)
+            return out if fmt.device is None and not fmt.pin_memory else fmt.place(out)
     if not records:
         out = _empty_output(
             position_mode=position_mode, return_num_valid_tokens=return_num_valid_tokens,
@@ -535,6 +590,7 @@ class _OutputFormat:
     def __init__(self, dtype: Any, *, device: Any, pin_memory: bool) -> None:
         self.torch = None
         self.torch_dtype = None
+        exact = True  # the output dtype is work_dtype itself
         if dtype is None:
             self.kind, self.work_dtype = "list", np.dtype(np.int64)
         elif isinstance(dtype, str) and dtype == "auto":
@@ -551,6 +607,7 @@ class _OutputFormat:
                 self.work_dtype = self.torch.empty(0, dtype=dtype).numpy().dtype
             except (TypeError, RuntimeError):  # no numpy twin (e.g. bfloat16)
                 self.work_dtype = np.dtype(np.int64)
+                exact = False
         else:
             try:
                 self.work_dtype = np.dtype(dtype)
@@ -567,6 +624,10 @@ class _OutputFormat:
             )
         self.device = device
         self.pin_memory = pin_memory
+        #: The integer dtype the native kernel writes for this format, or None where it
+        #: does not cover it (lists, other dtypes, a torch dtype numpy lacks).
+        self.native_dtype = (self.work_dtype if self.kind != "list" and exact
+                             and self.work_dtype in INTEGER_TYPES else None)
 
     def convert(self, array: np.ndarray, dtype: str | None) -> Any:
         """Turn a finished numpy array into the output kind."""

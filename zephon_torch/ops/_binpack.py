@@ -69,6 +69,8 @@ __all__ = [
     "TwinState",
     "native_available",
     "native_enabled",
+    "native_requested",
+    "warn_kernel_missing",
 ]
 
 #: The placement algorithms, in the kernel's order.
@@ -88,7 +90,7 @@ _warned = False
 
 
 class NativeKernelWarning(RuntimeWarning):
-    """The compiled placement kernel is missing: packing uses the slower pure-Python twin."""
+    """A compiled kernel is missing: its pure-Python twin is used (the same results, slower)."""
 
 
 def native_available() -> bool:
@@ -96,8 +98,9 @@ def native_available() -> bool:
     return _native is not None
 
 
-def native_enabled() -> bool:
-    """Whether new placers use the compiled kernel (built, and not disabled by ``ZEPHON_NATIVE``).
+def native_requested() -> bool:
+    """Whether ``ZEPHON_NATIVE`` leaves the compiled kernels on (unset, or 1); every kernel
+    (placement, ``to_training``) reads this one switch.
 
     Raises:
         ValueError: ``ZEPHON_NATIVE`` holds something other than 0/1 (or
@@ -109,12 +112,37 @@ def native_enabled() -> bool:
     if value not in _ON:
         raise ValueError(
             f"{_ENV}={os.environ[_ENV]!r} is not understood; set it to 0 to use the pure-Python "
-            "placement twin, or 1 (or leave it unset) to use the compiled kernel"
+            "twins of the compiled kernels, or 1 (or leave it unset) to use the compiled kernels"
         )
+    return True
+
+
+def native_enabled() -> bool:
+    """Whether new placers use the compiled kernel (built, and not disabled by ``ZEPHON_NATIVE``).
+
+    Raises:
+        ValueError: ``ZEPHON_NATIVE`` holds something other than 0/1 (or
+            false/true, no/yes, off/on).
+    """
+    if not native_requested():
+        return False
     if _native is None:
         _warn_missing()
         return False
     return True
+
+
+def warn_kernel_missing(kernel: str, error: str, consequence: str, *, stacklevel: int) -> None:
+    """Say that the compiled ``kernel`` did not import (``error``), what that costs, and how
+    to get it (its caller says so once per process); ``stacklevel`` counts from the caller."""
+    warnings.warn(
+        f"zephon_torch: the compiled {kernel} is not available ({error}), so {consequence}. "
+        "For the fast path, install a C compiler and the Python headers (e.g. apt-get install "
+        "gcc python3-dev) and reinstall the package (pip install -e ., or python setup.py "
+        f"build_ext --inplace in a checkout); set {_ENV}=0 to use the twin without this "
+        "warning.",
+        NativeKernelWarning, stacklevel=stacklevel + 1,
+    )
 
 
 def _warn_missing() -> None:
@@ -122,14 +150,10 @@ def _warn_missing() -> None:
     if _warned:
         return
     _warned = True
-    warnings.warn(
-        f"zephon_torch: the compiled placement kernel is not available ({_NATIVE_ERROR}), so "
+    warn_kernel_missing(
+        "placement kernel", _NATIVE_ERROR,
         "pack_flat/pack_sequences place documents with the pure-Python twin: the same rows, "
-        "placed some 10-50x slower. For the fast path, install a C compiler and the Python "
-        "headers (e.g. apt-get install gcc python3-dev) and reinstall the package "
-        "(pip install -e ., or python setup.py build_ext --inplace in a checkout); set "
-        f"{_ENV}=0 to use the twin without this warning.",
-        NativeKernelWarning, stacklevel=3,
+        "placed some 10-50x slower", stacklevel=3,
     )
 
 

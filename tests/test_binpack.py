@@ -28,6 +28,7 @@ from zephon_torch.ops._binpack import (
     NativeKernelWarning,
     Placement,
     TwinState,
+    copy_runs,
     native_available,
     native_enabled,
 )
@@ -399,3 +400,58 @@ def test_a_missing_kernel_warns_once_and_falls_back_to_the_twin(monkeypatch):
         assert BinPlacer(8).native is False  # once per process
     with pytest.raises(RuntimeError, match="compiled placement kernel is not available"):
         BinPlacer(8, native=True)
+
+
+# --------------------------------------------------------------------------- row assembly
+
+
+@st.composite
+def run_tables(draw: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Values, and runs of them laid out without overlap in an output of ``size`` slots."""
+    values = np.array(draw(st.lists(st.integers(-2**31, 2**31 - 1), min_size=1, max_size=200)),
+                      dtype=np.int32)
+    src, dest, lengths = [], [], []
+    at = 0
+    for _ in range(draw(st.integers(0, 30))):
+        start = draw(st.integers(0, len(values)))
+        n = draw(st.integers(0, len(values) - start))
+        at += draw(st.integers(0, 5))  # gaps stay as they were (padding)
+        src.append(start)
+        dest.append(at)
+        lengths.append(n)
+        at += n
+    order = draw(st.permutations(range(len(src))))  # runs need not come in output order
+    as64 = [np.array([x[i] for i in order], dtype=np.int64) for x in (src, dest, lengths)]
+    return (values, *as64, at + draw(st.integers(0, 5)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(run_tables())
+def test_copy_runs_lays_each_run_where_it_is_asked(native, table):
+    values, src, dest, lengths, size = table
+    out = np.full(size, -7, dtype=np.int32)
+    copy_runs(values, src, dest, lengths, out, native=native)
+    want = np.full(size, -7, dtype=np.int32)
+    for a, d, n in zip(src.tolist(), dest.tolist(), lengths.tolist()):
+        want[d:d + n] = values[a:a + n]
+    assert out.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize(("src", "dest", "length"), [(8, 0, 3), (0, 9, 2), (-1, 0, 1),
+                                                     (0, -1, 1), (0, 0, -1)])
+def test_copy_runs_refuses_a_run_outside_its_arrays(native, src, dest, length):
+    values, out = np.arange(10, dtype=np.int32), np.zeros(10, dtype=np.int32)
+    runs = [np.array([x], dtype=np.int64) for x in (src, dest, length)]
+    with pytest.raises(ValueError, match="outside"):
+        copy_runs(values, *runs, out, native=native)
+    assert not out.any()  # nothing was written
+
+
+@pytest.mark.skipif(not NATIVE, reason=WHY_NOT)
+def test_the_compiled_copy_runs_names_an_array_of_the_wrong_kind():
+    runs = [np.zeros(1, dtype=np.int64)] * 3
+    with pytest.raises(TypeError, match="values must be a 1-D C-contiguous array of int32"):
+        copy_runs(np.zeros(4, dtype=np.int64), *runs, np.zeros(4, dtype=np.int32), native=True)
+    with pytest.raises(TypeError, match="out must be a 1-D C-contiguous writable array"):
+        copy_runs(np.zeros(4, dtype=np.int32), *runs, np.zeros(4, dtype=np.int32)[::2],
+                  native=True)

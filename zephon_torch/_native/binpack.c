@@ -628,11 +628,87 @@ static PyTypeObject StateType = {
     .tp_getset = State_getset,
 };
 
+/* ------------------------------------------------------------------ row assembly */
+
+/* A 1-D C-contiguous buffer of `itemsize`-byte integers ("i" for 4, "q"/"l" for 8). */
+static int int_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable,
+                      const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "copy_runs(): %s must be a 1-D C-contiguous%s array of "
+                     "int%zd", name, writable ? " writable" : "", itemsize * 8);
+        return -1;
+    }
+    const char *f = view->format ? view->format : "";
+    int ok = view->ndim == 1 && view->itemsize == itemsize &&
+             (itemsize == 4 ? strcmp(f, "i") == 0
+                            : (strcmp(f, "q") == 0 || strcmp(f, "l") == 0));
+    if (!ok) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "copy_runs(): %s must be a 1-D C-contiguous%s array of "
+                     "int%zd", name, writable ? " writable" : "", itemsize * 8);
+        return -1;
+    }
+    return 0;
+}
+
+/* copy_runs(values, src, dest, lengths, out): out[dest[p]:dest[p] + lengths[p]] =
+ * values[src[p]:src[p] + lengths[p]] for every run p; int32 values, int64 runs. */
+static PyObject *copy_runs(PyObject *module, PyObject *args) {
+    PyObject *objs[5];
+    if (!PyArg_ParseTuple(args, "OOOOO:copy_runs", &objs[0], &objs[1], &objs[2], &objs[3],
+                          &objs[4]))
+        return NULL;
+    static const char *const names[5] = {"values", "src", "dest", "lengths", "out"};
+    static const Py_ssize_t sizes[5] = {4, 8, 8, 8, 4};
+    Py_buffer views[5];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 5; got++)
+        if (int_buffer(objs[got], &views[got], sizes[got], got == 4, names[got]) < 0) goto done;
+    const int32_t *values = (const int32_t *)views[0].buf;
+    const int64_t *src = (const int64_t *)views[1].buf, *dest = (const int64_t *)views[2].buf;
+    const int64_t *lengths = (const int64_t *)views[3].buf;
+    int32_t *out = (int32_t *)views[4].buf;
+    const Py_ssize_t nvalues = views[0].len / 4, nout = views[4].len / 4;
+    const Py_ssize_t n = views[1].len / 8;
+    if (views[2].len / 8 != n || views[3].len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "copy_runs(): src, dest and lengths differ in length");
+        goto done;
+    }
+    for (Py_ssize_t p = 0; p < n; p++) {
+        if (lengths[p] < 0 || src[p] < 0 || dest[p] < 0 || src[p] > nvalues - lengths[p] ||
+            dest[p] > nout - lengths[p]) {
+            PyErr_Format(PyExc_ValueError, "copy_runs(): run %zd (src %lld, dest %lld, length "
+                         "%lld) falls outside values (%zd) or out (%zd)", p, (long long)src[p],
+                         (long long)dest[p], (long long)lengths[p], nvalues, nout);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t p = 0; p < n; p++)
+        memcpy(out + dest[p], values + src[p], (size_t)lengths[p] * sizeof(int32_t));
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"copy_runs", copy_runs, METH_VARARGS,
+     "copy_runs(values, src, dest, lengths, out): copy runs of int32 values into out."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef binpack_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "zephon_torch._native.binpack",
     .m_doc = "The packers' placement kernel (see zephon_torch/ops/_binpack.py).",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit_binpack(void) {

@@ -87,7 +87,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zephon_torch.block import Block, Contributors, Ragged, RowView
-from zephon_torch.ops._binpack import BinPlacer, Placement
+from zephon_torch.ops._binpack import BinPlacer, Placement, copy_runs, native_enabled
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
 from zephon_torch.types import SampleRecord
@@ -637,6 +637,15 @@ class PackingAccumulator(Accumulator):
             sel = segs == s
             src[sel] = segments[s].tokens.offsets[src_rows[sel]]  # type: ignore[union-attr]
         src += starts
+        values_of = {s: segments[s].tokens.values  # type: ignore[union-attr]
+                     for s in np.unique(segs).tolist()}
+        if native_enabled() and all(v.dtype == np.int32 for v in values_of.values()):
+            # The common case: int32 tokens, every piece copied in one kernel call.
+            out = np.full(num_rows * limit, self.pad_token_id, dtype=np.int32)
+            for s, values in values_of.items():
+                sel = segs == s if len(values_of) > 1 else slice(None)
+                copy_runs(values, src[sel], dest[sel], lengths[sel], out)
+            return {"fields": self._flat_fields(out, dest, used, num_rows)}
         # The rows laid end to end are the pieces in placement order, each row's
         # followed by its padding: one concatenate copies them all (a C-level copy
         # of each document's run, no per-token index).
@@ -644,8 +653,6 @@ class PackingAccumulator(Accumulator):
         pad_after = (np.append(firsts[1:], len(lengths)) - 1).tolist()  # each row's last piece
         pads = (limit - used).tolist()
         parts: list[np.ndarray] = []
-        values_of = {s: segments[s].tokens.values  # type: ignore[union-attr]
-                     for s in np.unique(segs).tolist()}
         row = 0
         for p, (s, a, n) in enumerate(zip(segs.tolist(), src.tolist(), lengths.tolist())):
             parts.append(values_of[s][a:a + n])
@@ -654,6 +661,13 @@ class PackingAccumulator(Accumulator):
                     parts.append(padding[:pads[row]])
                 row += 1
         out = np.concatenate(parts, dtype=np.int32, casting="same_kind")
+        return {"fields": self._flat_fields(out, dest, used, num_rows)}
+
+    def _flat_fields(self, out: np.ndarray, dest: np.ndarray, used: np.ndarray,
+                     num_rows: int) -> dict[str, Any]:
+        """``input_ids`` of the rows laid end to end in ``out``, and their ``positions``
+        (``dest``: where each piece starts in ``out``; ``used``: each row's tokens)."""
+        limit = self.max_length
         fields: dict[str, Any] = {"input_ids": out.reshape(num_rows, limit)}
         if self.emit_positions:
             # Each token's distance from the start of its segment (a piece, or the
@@ -669,7 +683,7 @@ class PackingAccumulator(Accumulator):
             positions = np.arange(size, dtype=kind)
             positions -= marks
             fields["positions"] = positions.astype(np.int32, copy=False).reshape(num_rows, limit)
-        return {"fields": fields}
+        return fields
 
     # ------------------------------------------------------------------ records
 

@@ -425,6 +425,22 @@ def test_a_drain_with_colliding_salts_orders_blocks_as_records_by_cursor_key(mon
     assert not by_blocks.has_pending_data()
 
 
+def test_a_drain_comes_out_in_small_blocks_so_a_batch_pins_few_rows():
+    # Downstream batches are views of the block they are cut from: a drain of 200
+    # rows comes out as blocks of at most 64, in the same order as the rows.
+    from zephon_torch.block import Block
+
+    recs = [_rec(i, chunk=i // 10) for i in range(200)]
+    whole = ReservoirShuffleAccumulator(500, seed=5)
+    for a in range(0, 200, 30):
+        assert whole.push_block(Block.from_records(recs[a:a + 30])) == []
+    drained = whole.flush()
+    assert [len(b) for b in drained] == [64, 64, 64, 8]
+    by_records = ReservoirShuffleAccumulator(500, seed=5)
+    assert by_records.push_many(recs) == []
+    assert [r for b in drained for r in b.records()] == by_records.flush()[0]
+
+
 # --------------------------------------------------------------------------- one buffer, split
 
 

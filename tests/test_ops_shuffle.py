@@ -400,6 +400,47 @@ def test_the_block_paths_decide_exactly_as_the_record_paths(size: int) -> None:
     assert theirs == mine
 
 
+def test_a_drain_with_colliding_salts_orders_blocks_as_records_by_cursor_key(monkeypatch):
+    # Salts that collide (three values for 60 rows) send both drains through the
+    # cursor-key tie-break; the block path decides it over the rows where they sit
+    # in the pool, before gathering them, and must agree with the record path.
+    import zephon_torch.ops.shuffle as shuffle_module
+    from zephon_torch.block import ID_LOCAL, Block
+
+    monkeypatch.setattr(shuffle_module, "salt_of",
+                        lambda prefix, elem: elem.meta.sample_id[2] % 3)
+    monkeypatch.setattr(shuffle_module, "block_salts",
+                        lambda prefix, block: (block.ids[:, ID_LOCAL] % 3).astype(np.uint64))
+    recs = [_rec(i, chunk=i // 5) for i in range(60)]
+    parts = [recs[a:a + 7] for a in range(0, 60, 7)]
+    by_records = ReservoirShuffleAccumulator(100, seed=3)
+    by_blocks = ReservoirShuffleAccumulator(100, seed=3)
+    for part in parts:
+        assert by_records.push_many(part) == []
+        assert by_blocks.push_block(Block.from_records(part)) == []
+    mine = [r for mb in by_records.flush() for r in mb]
+    theirs = [r for b in by_blocks.flush() for r in b.records()]
+    assert _ids(theirs) == _ids(mine)
+    assert _ids(mine) == sorted(range(60), key=lambda i: (i % 3, i // 5, i))
+    assert not by_blocks.has_pending_data()
+
+
+def test_a_drain_comes_out_in_small_blocks_so_a_batch_pins_few_rows():
+    # Downstream batches are views of the block they are cut from: a drain of 200
+    # rows comes out as blocks of at most 64, in the same order as the rows.
+    from zephon_torch.block import Block
+
+    recs = [_rec(i, chunk=i // 10) for i in range(200)]
+    whole = ReservoirShuffleAccumulator(500, seed=5)
+    for a in range(0, 200, 30):
+        assert whole.push_block(Block.from_records(recs[a:a + 30])) == []
+    drained = whole.flush()
+    assert [len(b) for b in drained] == [64, 64, 64, 8]
+    by_records = ReservoirShuffleAccumulator(500, seed=5)
+    assert by_records.push_many(recs) == []
+    assert [r for b in drained for r in b.records()] == by_records.flush()[0]
+
+
 # --------------------------------------------------------------------------- one buffer, split
 
 

@@ -573,3 +573,59 @@ def test_no_warnings_on_the_happy_path(tmp_path, cache):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         zd.jsonl(path, cache_dir=cache).read(0, [0, 1, 2])
+
+
+# ---------------------------------------------------------------- what a pass leaves cached
+
+
+def test_read_once_cache_forgets_a_unit_once_its_rows_are_read():
+    cache = readers.ReadOnceCache(2)
+    cache.put("a", 0, "group 0", rows=5)
+    cache.spend("a", 1, 5)  # another unit of the shard: not this one's rows
+    assert cache.get("a", 0) == "group 0" and cache.get("a", 1) is None
+    cache.spend("a", 0, 3)
+    assert cache.get("a", 0) == "group 0"
+    cache.spend("a", 0, 2)
+    assert cache.get("a", 0) is None and len(cache) == 0
+    for key in "bcd":
+        cache.put(key, 0, key, rows=1)
+    assert len(cache) == 2 and cache.get("b", 0) is None  # still an LRU
+    assert len(pickle.loads(pickle.dumps(cache))) == 0
+
+
+def test_a_parquet_pass_over_many_shards_leaves_no_row_group_cached(tmp_path):
+    # A pass over more shards than the cache holds: each row group is decoded once,
+    # kept while its rows are read in micro-batches, then dropped; memory after the
+    # pass does not depend on how many shards there were.
+    for k in range(7):
+        write_parquet(tmp_path / f"p{k}.parquet", token_table(10), row_group_size=4)
+    decodes: list[tuple[int, int]] = []
+
+    class Counting(zd.ParquetDataset):
+        def _read_row_group(self, shard_id: int, row_group: int) -> pa.Table:
+            decodes.append((shard_id, row_group))
+            return super()._read_row_group(shard_id, row_group)
+
+    ds = Counting(str(tmp_path / "*.parquet"))
+    most = 0
+    for shard in range(7):
+        ids = list(range(10))
+        for i in range(0, 10, 3):
+            if shard % 2:
+                ds.read(shard, ids[i:i + 3])
+            else:
+                ds.read_columns(shard, ids[i:i + 3])
+            most = max(most, len(ds._groups))
+    assert sorted(decodes) == [(s, g) for s in range(7) for g in range(3)]
+    assert most == 1 and len(ds._groups) == 0
+
+
+def test_a_jsonl_pass_over_many_files_leaves_no_block_cached(tmp_path, cache):
+    for k in range(6):
+        write_lines(tmp_path / f"part-{k}.jsonl", docs(7, prefix=f"f{k}-"))
+    ds = zd.jsonl(str(tmp_path / "part-*.jsonl"), cache_dir=cache)
+    for shard in range(6):
+        got = [json.loads(line)["text"] for i in range(0, 7, 2)
+               for line in ds.read(shard, list(range(i, min(i + 2, 7))))]
+        assert got == [f"f{shard}-{i}" for i in range(7)]
+        assert len(ds._last_block) == 0

@@ -277,6 +277,33 @@ class _BlockReservoir:
         """The rows ``(owners[i], rows[i])`` as one block, in that order."""
         return Block.gather(self.pool, owners, rows)
 
+    def drain(self) -> list[Block]:
+        """Every held row sorted by salt (ties by cursor key), emptying the reservoir:
+        blocks of at most :data:`_DRAIN_ROWS` rows, in order.
+
+        The order is decided over ``(owners, rows, salts)`` before any row is
+        copied, so the rows are gathered once, straight into their final
+        order: gathering them in slot order and then taking the order would
+        hold a second copy of every row at the flush, on top of the pool.
+        They are gathered in pieces because what comes downstream keeps views
+        of a block: a batch of 8 rows cut from one block of a whole drain (a
+        flush window's rows, often hundreds) would keep all of them alive until
+        that batch is dropped, which is after the next window is read.
+        """
+        salts = np.array(self.salts, dtype=np.uint64)
+        order = np.argsort(salts, kind="stable")
+        ranked = salts[order]
+        if len(ranked) > 1 and bool((ranked[1:] == ranked[:-1]).any()):
+            keyed = sorted((salt, self.pool[owner].cursor_key(row), i) for i, (salt, owner, row)
+                           in enumerate(zip(self.salts, self.owners, self.rows)))
+            order = np.array([i for _, _, i in keyed], dtype=np.int64)
+        owners = np.asarray(self.owners, dtype=np.int64)[order]
+        rows = np.asarray(self.rows, dtype=np.int64)[order]
+        pool = self.pool
+        self.pool, self.owners, self.rows, self.salts = [], [], [], []
+        return [Block.gather(pool, owners[i:i + _DRAIN_ROWS], rows[i:i + _DRAIN_ROWS])
+                for i in range(0, len(owners), _DRAIN_ROWS)]
+
     def compact(self) -> None:
         """Rewrite the held rows as one block, releasing the blocks they came from."""
         if not self.owners:
@@ -290,6 +317,9 @@ class _BlockReservoir:
 
 # Blocks a reservoir may refer to before it is compacted.
 _POOL_LIMIT = 32
+# Rows per block of a drain (see _BlockReservoir.drain): a multiple of the usual
+# batch sizes, so that batches cut downstream rarely straddle two blocks.
+_DRAIN_ROWS = 64
 
 
 class ReservoirShuffleAccumulator(Accumulator):
@@ -384,15 +414,7 @@ class ReservoirShuffleAccumulator(Accumulator):
         for lane in lanes:
             held = self._blocks.pop(lane, None)
             if held is not None and held.owners:
-                block = held.gather(held.owners, held.rows)
-                salts = np.array(held.salts, dtype=np.uint64)
-                order = np.argsort(salts, kind="stable")
-                ranked = salts[order]
-                if len(ranked) > 1 and bool((ranked[1:] == ranked[:-1]).any()):
-                    keyed = sorted((salt, block.cursor_key(i), i)
-                                   for i, salt in enumerate(held.salts))
-                    order = np.array([i for _, _, i in keyed], dtype=np.int64)
-                out.append(block.take(order))
+                out.extend(held.drain())
             res = self._lanes.pop(lane, None)
             if res is None or not res.items:
                 continue

@@ -67,6 +67,7 @@ from zephon_torch.sources.readers import (
     LineScanner,
     LRUCache,
     RandomAccessFile,
+    ReadOnceCache,
     TruncatedStreamError,
     edge_digest,
     expand_paths,
@@ -357,7 +358,7 @@ class JsonlDataset(_FileDataset):
     #: Bytes per read block of a plain file: a block ends before the first line
     #: that starts at or after a multiple of it (see :meth:`blocks`).
     block_bytes: ClassVar[int] = 1 << 20
-    #: Shards whose last read block is kept, per process.
+    #: Shards whose last read block is kept (until it is read), per process.
     block_cache_size: ClassVar[int] = 4
 
     def __init__(self, paths: str | Sequence[str], *, component_id: int = 0,
@@ -378,7 +379,7 @@ class JsonlDataset(_FileDataset):
         self._loaded = LRUCache(self.loaded_index_cache_size)
         self._handles = HandlePool(8)
         self._block_starts: dict[int, np.ndarray] = {}
-        self._last_block = LRUCache(self.block_cache_size)
+        self._last_block = ReadOnceCache(self.block_cache_size)
         self._reading = KeyedLocks()
         listing: dict[str, list[tuple[str, IndexInfo]]] | None = None
         for shard_id, (path, shard_name) in enumerate(zip(files, _shard_names(files))):
@@ -519,6 +520,7 @@ class JsonlDataset(_FileDataset):
                 unique, inverse = np.unique(ids[where], return_inverse=True)
                 lines = read_lines_at(self._block(shard_id, block, offsets, starts), offsets,
                                       file.stat.size, unique, line_end)
+                self._last_block.spend(shard_id, block, where.size)
                 for position, k in zip(where.tolist(), inverse.reshape(-1).tolist()):
                     out[position] = lines[k]
         except DataChangedError as exc:
@@ -534,12 +536,12 @@ class JsonlDataset(_FileDataset):
         """The bytes of one read block, read once and kept until the shard's next block
         is read: from the file's first byte for block 0, else from the line ending
         before the block's first line (``read_lines_at`` checks it)."""
-        cached = self._last_block.get(shard_id)
-        if cached is not None and cached.block == block:
+        cached = self._last_block.get(shard_id, block)
+        if cached is not None:
             return cached
         with self._reading(shard_id):  # threads wanting this block wait for one read
-            cached = self._last_block.get(shard_id)
-            if cached is not None and cached.block == block:
+            cached = self._last_block.get(shard_id, block)
+            if cached is not None:
                 return cached
             file = self._files[shard_id]
             lo = 0 if block == 0 else int(offsets[starts[block]]) - 1
@@ -550,7 +552,9 @@ class JsonlDataset(_FileDataset):
             if len(data) < hi - lo:
                 raise DataChangedError(f"{file.path!r} is shorter than its line index says")
             view = _BlockBytes(file.path, block, lo, data)
-            self._last_block.put(shard_id, view)
+            stop = (int(starts[block + 1]) if block + 1 < len(starts)
+                    else self._shards[shard_id].num_samples)
+            self._last_block.put(shard_id, block, view, stop - int(starts[block]))
         return view
 
     def blocks(self, shard_id: int) -> np.ndarray:
@@ -826,7 +830,9 @@ class ParquetDataset(_FileDataset):
     Counting uses the file metadata only. :meth:`read` maps local ids to row
     groups (cumulative row counts) and decodes only the row groups it needs;
     the last decoded row group of each shard is kept (a small per-process
-    LRU), so neighbouring ids do not decode it again. A row is a dict; a list
+    LRU) until as many of its rows have been read as it holds, so
+    neighbouring ids do not decode it again and a finished group does not
+    linger. A row is a dict; a list
     column of numbers becomes a numpy array of its type (``list<int32>`` ->
     ``np.int32``), everything else Python values. Those arrays are writable
     and hold no Arrow memory: the rows of one :meth:`read` are slices of one
@@ -850,7 +856,7 @@ class ParquetDataset(_FileDataset):
 
     kind = "parquet"
     raw_format = "dict"
-    #: Shards whose last decoded row group is kept, per process.
+    #: Shards whose last decoded row group is kept (until it is read), per process.
     row_group_cache_size: ClassVar[int] = 4
 
     def __init__(self, paths: str | Sequence[str], *, columns: Sequence[str] | None = None,
@@ -874,7 +880,7 @@ class ParquetDataset(_FileDataset):
         self._group_bytes: list[np.ndarray] = []
         self._signatures: list[tuple[int, str]] = []
         self._handles = HandlePool(8)
-        self._groups = LRUCache(self.row_group_cache_size)
+        self._groups = ReadOnceCache(self.row_group_cache_size)
         self._decoding = KeyedLocks()
         for shard_id, (path, shard_name) in enumerate(zip(files, _shard_names(files))):
             counts, sizes = self._row_group_sizes(pq, path)
@@ -936,15 +942,18 @@ class ParquetDataset(_FileDataset):
         return handle
 
     def _row_group(self, shard_id: int, row_group: int) -> Any:
-        cached = self._groups.get(shard_id)
-        if cached is not None and cached[0] == row_group:
-            return cached[1]
+        """A decoded row group, kept per shard until its rows have all been read."""
+        cached = self._groups.get(shard_id, row_group)
+        if cached is not None:
+            return cached
         with self._decoding(shard_id):  # threads wanting this group wait for one decode
-            cached = self._groups.get(shard_id)
-            if cached is not None and cached[0] == row_group:
-                return cached[1]
+            cached = self._groups.get(shard_id, row_group)
+            if cached is not None:
+                return cached
             table = self._read_row_group(shard_id, row_group)
-            self._groups.put(shard_id, (row_group, table))
+            bounds = self._bounds[shard_id]
+            self._groups.put(shard_id, row_group, table,
+                             int(bounds[row_group + 1] - bounds[row_group]))
         return table
 
     def read(self, shard_id: int, local_ids: Sequence[int]) -> list[dict[str, Any]]:
@@ -956,7 +965,9 @@ class ParquetDataset(_FileDataset):
         groups = np.searchsorted(bounds, ids, side="right") - 1
         first = int(groups[0])
         if first == int(groups[-1]) and bool((groups == first).all()):  # one row group
-            return _table_rows(self._row_group(shard_id, first), ids - bounds[first])
+            rows = _table_rows(self._row_group(shard_id, first), ids - bounds[first])
+            self._groups.spend(shard_id, first, ids.size)
+            return rows
         out: list[Any] = [None] * ids.size
         used, first_use = np.unique(groups, return_index=True)
         # Each group read once, in order of first use: the one read last, kept, is
@@ -965,6 +976,7 @@ class ParquetDataset(_FileDataset):
         for group in used[np.argsort(first_use)].tolist():
             where = np.flatnonzero(groups == group)
             rows = _table_rows(self._row_group(shard_id, group), ids[where] - bounds[group])
+            self._groups.spend(shard_id, group, where.size)
             for position, row in zip(where.tolist(), rows):
                 out[position] = row
         return out
@@ -994,7 +1006,8 @@ class ParquetDataset(_FileDataset):
             table = self._row_group(shard_id, group)
             run = _table_columns(table, ids[start:stop] - bounds[group])
             if run is None:
-                return None
+                return None  # the caller reads rows instead (and those count)
+            self._groups.spend(shard_id, group, stop - start)
             runs.append(run)
         return concat_columns(runs)
 

@@ -80,6 +80,7 @@ __all__ = [
     "LRUCache",
     "LineScanner",
     "RandomAccessFile",
+    "ReadOnceCache",
     "TruncatedStreamError",
     "edge_digest",
     "expand_paths",
@@ -563,6 +564,74 @@ class LRUCache:
             self._data.move_to_end(key)
             while len(self._data) > self.capacity:
                 self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"capacity": self.capacity}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["capacity"])
+
+
+class ReadOnceCache:
+    """A small thread-safe LRU of decoded read units that forgets a unit once all its
+    rows have been read; its contents are not pickled.
+
+    A reader keeps the unit it decoded last per shard (a Parquet row group,
+    a block of JSONL lines), because a pass reads a unit's rows in several
+    consecutive calls. Once those calls have taken as many rows as the unit
+    holds, the pass has no more use for it; kept until the LRU evicted it,
+    it would hold a decoded unit for each of the last ``capacity`` shards
+    read, which a corpus of few shards never fills and a large one always
+    does. Example, a row group of 1,000 rows read in micro-batches of 512::
+
+        put(shard, group, rows=1000)   # decoded: 1000 rows to go
+        spend(shard, group, 512)       # 488 to go
+        spend(shard, group, 488)       # 0: forgotten, its memory is freed
+
+    The count is a hint, never a correctness matter: a row read twice (a
+    replay) makes the unit go early and a later read decode it again; rows
+    never read leave it to the LRU, as before.
+
+    Args:
+        capacity: Units kept at most (the least recently used goes first).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        # key -> [unit, value, rows still to read]
+        self._data: OrderedDict[Any, list[Any]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, unit: Any) -> Any:
+        """The value of ``unit`` under ``key`` if it is the one kept, else None."""
+        with self._lock:
+            entry = self._data.get(key)
+            if entry is None or entry[0] != unit:
+                return None
+            self._data.move_to_end(key)
+            return entry[1]
+
+    def put(self, key: Any, unit: Any, value: Any, rows: int) -> None:
+        """Keep ``value`` (unit ``unit`` of ``rows`` rows) under ``key``, replacing what
+        was there and evicting the least recently used entries."""
+        with self._lock:
+            self._data[key] = [unit, value, rows]
+            self._data.move_to_end(key)
+            while len(self._data) > self.capacity:
+                self._data.popitem(last=False)
+
+    def spend(self, key: Any, unit: Any, rows: int) -> None:
+        """Count ``rows`` rows of ``unit`` as read; forget it once none is left."""
+        with self._lock:
+            entry = self._data.get(key)
+            if entry is None or entry[0] != unit:
+                return
+            entry[2] -= rows
+            if entry[2] <= 0:
+                del self._data[key]
 
     def __len__(self) -> int:
         return len(self._data)

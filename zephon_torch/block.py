@@ -62,6 +62,8 @@ from zephon_torch.types import (
     SampleCursor,
     SampleMeta,
     SampleRecord,
+    metas_from_rows,
+    records_from_rows,
 )
 from zephon_torch.vocab import (
     CONTRIBUTORS_TAG,
@@ -585,25 +587,23 @@ class Block:
         return (self.contributors is None and self.packing is None and self.tomb is None
                 and self.extra is None)
 
+    def _meta_columns(self) -> tuple[list[list[int]], list[dict[int, int]], Any, Any, Any]:
+        """What every row's meta is made of: ids, counts, token counts, lineage, tags."""
+        tags = None
+        if not self._plain():
+            tags = [self.tags(i) or None for i in range(len(self))]
+        return self.ids.tolist(), self._counts_list(), self.token_counts, self.lineage, tags
+
     def metas(self) -> list[SampleMeta]:
         """Every row's :class:`~zephon_torch.types.SampleMeta`, in order."""
-        lane = self.lane
-        ids = self.ids.tolist()
-        counts = self._counts_list()
-        if self._plain() and self.lineage is None and self.token_counts is None:
-            return [SampleMeta((d, s, loc), lane, c, o, cnt)
-                    for (d, s, loc, c, o), cnt in zip(ids, counts)]
-        lineage = self.lineage if self.lineage is not None else itertools.repeat(())
-        tokens = self.token_counts if self.token_counts is not None else itertools.repeat(None)
-        plain = self._plain()
-        return [SampleMeta((d, s, loc), lane, c, o, cnt, tc, lin,
-                           None if plain else (self.tags(i) or None))
-                for i, ((d, s, loc, c, o), cnt, tc, lin) in enumerate(
-                    zip(ids, counts, tokens, lineage))]
+        ids, counts, tokens, lineage, tags = self._meta_columns()
+        return metas_from_rows(self.lane, ids, counts, tokens, lineage, tags)
 
     def records(self) -> list[SampleRecord]:
         """Every row as a :class:`~zephon_torch.types.SampleRecord`, in order."""
-        return list(map(SampleRecord, self.metas(), self.payload_list()))
+        ids, counts, tokens, lineage, tags = self._meta_columns()
+        payloads = self.payloads if self.payloads is not None else self.payload_list()
+        return records_from_rows(self.lane, ids, counts, payloads, tokens, lineage, tags)
 
     def record(self, i: int) -> SampleRecord:
         """Row ``i`` as a record."""

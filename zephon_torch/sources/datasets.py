@@ -193,6 +193,12 @@ class _FileDataset(Dataset):
 # ---------------------------------------------------------------- items
 
 
+#: What ``ItemsDataset`` accepts as an item.
+_ITEM_KINDS = (dict, str, list, tuple, np.ndarray)
+#: Item types ``ItemsDataset.read`` hands over as they are (exactly these types).
+_AS_IS_KINDS = frozenset({dict, list, tuple, np.ndarray})
+
+
 class ItemsDataset(Dataset):
     """An in-memory list of payloads: one shard, read inline.
 
@@ -224,11 +230,14 @@ class ItemsDataset(Dataset):
             except TypeError:
                 raise ValueError(f"items must be a sequence of payloads (dicts or str), "
                                  f"got {type(items).__name__}") from None
-        for i, item in enumerate(items):
-            if not isinstance(item, (dict, str, list, tuple, np.ndarray)):
-                raise TypeError(f"items[{i}] is a {type(item).__name__}; each item must be a "
-                                "dict payload, a str (becomes {'text': s}) or an array of "
-                                "token ids")
+        # One sweep in C over the items' types; the item-by-item check only names
+        # the culprit when a type is not one of the accepted kinds.
+        if not all(issubclass(kind, _ITEM_KINDS) for kind in set(map(type, items))):
+            for i, item in enumerate(items):
+                if not isinstance(item, _ITEM_KINDS):
+                    raise TypeError(f"items[{i}] is a {type(item).__name__}; each item must be "
+                                    "a dict payload, a str (becomes {'text': s}) or an array "
+                                    "of token ids")
         self._items = items
         self.on_error = _check_on_error(on_error)
         self.component_id = _check_component_id(component_id)
@@ -246,11 +255,15 @@ class ItemsDataset(Dataset):
         if shard_id != 0:
             raise IndexError(f"{self.name}: shard {shard_id} does not exist (1 shard)")
         items = self._items
-        out = []
-        for i in local_ids:
-            item = items[i]
-            out.append({"text": item} if isinstance(item, str) else item)
-        return out
+        if type(local_ids) is range and local_ids.step == 1 and type(items) is list:
+            out = items[local_ids.start:local_ids.stop]  # a run of ids: one slice
+            if len(out) != len(local_ids):  # past the end: the indexing below says so
+                out = list(map(items.__getitem__, local_ids))
+        else:
+            out = list(map(items.__getitem__, local_ids))
+        if set(map(type, out)) <= _AS_IS_KINDS:  # no str to wrap (the usual case)
+            return out
+        return [{"text": item} if isinstance(item, str) else item for item in out]
 
     def stream(self, shard_id: int) -> Iterator[Any]:
         """The payloads in order."""

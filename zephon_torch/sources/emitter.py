@@ -181,14 +181,14 @@ class SourceEmitter:
         component = self._components[chunk.dataset_ids]
         if self._all_pointers:
             return Block(chunk.lane_id, ids, payloads=[POINTER] * n, component=component)
-        dataset_ids = chunk.dataset_ids.tolist()
-        shard_ids = chunk.shard_ids.tolist()
-        local_ids = chunk.local_ids.tolist()
         if _single(chunk.dataset_ids) and _single(chunk.shard_ids) and \
-                self._shards[dataset_ids[0]][shard_ids[0]].access == "inline":
-            payloads = self.datasets[dataset_ids[0]].read(shard_ids[0], local_ids)
+                self._shards[int(chunk.dataset_ids[0])][int(chunk.shard_ids[0])].access \
+                == "inline":
+            dataset_id, shard_id = int(chunk.dataset_ids[0]), int(chunk.shard_ids[0])
+            payloads = self.datasets[dataset_id].read(shard_id, _as_run(chunk.local_ids))
         else:
-            payloads = self._payloads(dataset_ids, shard_ids, local_ids)
+            payloads = self._payloads(chunk.dataset_ids.tolist(), chunk.shard_ids.tolist(),
+                                      chunk.local_ids.tolist())
         block = Block(chunk.lane_id, ids, payloads=payloads, component=component)
         # An empty in-memory or streamed document is closed by a tombstone now.
         empty = empty_text_rows(payloads)
@@ -220,6 +220,15 @@ class SourceEmitter:
             for pos, value in zip(positions, values):
                 payloads[pos] = value
         return payloads
+
+
+def _as_run(local_ids: np.ndarray) -> Sequence[int]:
+    """The ids as a ``range`` when they are consecutive (a reader may then slice), else a list."""
+    n = len(local_ids)
+    if n > 1 and int(local_ids[-1]) - int(local_ids[0]) == n - 1 \
+            and bool((local_ids[1:] - local_ids[:-1] == 1).all()):
+        return range(int(local_ids[0]), int(local_ids[-1]) + 1)
+    return local_ids.tolist()
 
 
 def _single(values: np.ndarray) -> bool:

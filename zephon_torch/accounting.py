@@ -16,6 +16,8 @@ The events::
 
     register(chunk)                a chunk emitted for a lane
     delivered_plain(lane, recs)    plain records the caller received, in order
+    delivered_rows(lane, block, a, b)  the same, as rows a..b-1 of a block without tags
+    delivered_batches(lane, items) batches the caller received, in order
     delivered(lane, item)          a tagged record, a batch or a block batch received
     tombstone(lane, record)        a tombstone reached the consumer
     tombstones(block)              a block of tombstones reached the consumer
@@ -49,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon_torch.block import ID_CHUNK, Block, BlockBatch
+from zephon_torch.block import ID_CHUNK, ID_OFFSET, Block, BlockBatch
 from zephon_torch.types import SampleBatch, SampleRecord
 from zephon_torch.vocab import (
     TOMBSTONE_DETAIL_TAG,
@@ -336,6 +338,53 @@ class Accounting:
                 meta = item.meta
                 add((lane_id, meta.chunk_id, meta.chunk_offset))
 
+    def delivered_rows(self, lane_id: int, block: Block, start: int, stop: int) -> None:
+        """Rows ``start..stop-1`` of a block without tags, received as records.
+
+        What :meth:`delivered_plain` does with their records, read from the
+        block's columns: for the usual rows of one chunk, a few array
+        operations and no work per row.
+        """
+        n = stop - start
+        if n <= 0:
+            return
+        lane = self.lanes[lane_id]
+        lane.samples_delivered += n
+        ids = block.ids[start:stop]
+        chunks = ids[:, ID_CHUNK]
+        first = int(chunks[0])
+        k = self.flush_every
+        counts = lane.delivered_in_epoch
+        if first == int(chunks[-1]) and bool((chunks == first).all()):  # one chunk
+            key = first // k if k else first
+            counts[key] = counts.get(key, 0) + n
+            if not k:
+                lane.close_many(first, ids[:, ID_OFFSET].tolist())
+        elif k:
+            for chunk_id in chunks.tolist():
+                epoch = chunk_id // k
+                counts[epoch] = counts.get(epoch, 0) + 1
+        else:  # each row closes its own offset, grouped by chunk in order of appearance
+            groups: dict[int, list[int]] = {}
+            for chunk_id, offset in zip(chunks.tolist(), ids[:, ID_OFFSET].tolist()):
+                group = groups.get(chunk_id)
+                if group is None:
+                    group = groups[chunk_id] = []
+                group.append(offset)
+            for chunk_id, group in groups.items():
+                counts[chunk_id] = counts.get(chunk_id, 0) + len(group)
+                lane.close_many(chunk_id, group)
+        lane.cursor = block.cursor_key(stop - 1)
+        lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
+        lane.outputs += n
+        if self.samples is not None:
+            self.samples.add_arrays(lane_id, chunks, ids[:, ID_OFFSET])
+
+    def delivered_batches(self, lane_id: int, batches: Sequence[Any]) -> None:
+        """Batches of ``lane_id`` the caller received, in order (:meth:`delivered` each)."""
+        for batch in batches:
+            self.delivered(lane_id, batch)
+
     def delivered(self, lane_id: int, item: Any) -> None:
         """An item of ``lane_id`` the caller received (a tagged record, a batch, a block
         batch): count what it closes, move the replay cursor."""
@@ -452,21 +501,36 @@ class Accounting:
         """A block's rows were received (as ``outputs`` items; 0: before a resume): close,
         count per epoch, move the cursor, with array operations and no record built.
         Returns how many base samples they close."""
-        if not len(block):
+        n = len(block)
+        if not n:
             return 0
         lane = self.lanes[block.lane]
-        chunk_ids = block.ids[:, ID_CHUNK]
+        ids = block.ids
+        chunk_ids = ids[:, ID_CHUNK]
         k = self.flush_every
-        epochs = chunk_ids // k if k else chunk_ids
-        values, counts = np.unique(epochs, return_counts=True)
         per_epoch = lane.delivered_in_epoch
-        for epoch, count in zip(values.tolist(), counts.tolist()):
-            per_epoch[epoch] = per_epoch.get(epoch, 0) + count
-        self._close_rows(block)
-        lane.cursor = block.cursor_key(len(block) - 1)
+        first = int(chunk_ids[0])
+        if block.contributors is None and first == int(chunk_ids[-1]) \
+                and bool((chunk_ids == first).all()):
+            # The usual batch: rows of one chunk, each closing its own offset.
+            epoch = first // k if k else first
+            per_epoch[epoch] = per_epoch.get(epoch, 0) + n
+            if not k:
+                lane.close_many(first, ids[:, ID_OFFSET].tolist())
+            if self.samples is not None:
+                self.samples.add_arrays(block.lane, chunk_ids, ids[:, ID_OFFSET])
+            closes = n
+        else:
+            epochs = chunk_ids // k if k else chunk_ids
+            values, counts = np.unique(epochs, return_counts=True)
+            for epoch, count in zip(values.tolist(), counts.tolist()):
+                per_epoch[epoch] = per_epoch.get(epoch, 0) + count
+            self._close_rows(block)
+            closes = int(block.close_counts().sum())
+        lane.cursor = block.cursor_key(n - 1)
         lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
         lane.outputs += outputs
-        return int(block.close_counts().sum())
+        return closes
 
     def _count_tombstones(self, lane_id: int, reason: str, closes: int) -> bool:
         """Count ``closes`` samples tombstoned for ``reason``; True when the tombstone is a

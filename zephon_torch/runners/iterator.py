@@ -39,7 +39,7 @@ import numpy as np
 
 from zephon_torch import logs
 from zephon_torch.accounting import Accounting, Throughput
-from zephon_torch.block import Block, Sentinel
+from zephon_torch.block import Block, BlockBatch, Sentinel
 from zephon_torch.checkpoint import fingerprint_parts, refuse_nondeterministic
 from zephon_torch.epochs import check_epoch, check_state_epoch, epoch_pipeline
 from zephon_torch.logs import log_end, log_resume, log_skips, log_start, log_throughput
@@ -70,10 +70,43 @@ RUNNERS = ("inline", "threads", "process", "lanes")
 #: The keyword arguments of ``Pipeline.iter`` (the torch wrappers check theirs against it).
 ITER_KWARGS = ("runner", "num_workers", "deterministic", "rank", "world_size",
                "microbatch_sizes", "lanes", "verify", "task_timeout", "epoch")
-#: Records handed over between two settlements of a lane's accounting.
-_SETTLE_EVERY = 256
+#: Below this many rows, a run's rows are accounted as records (no array work).
+_ROWS_AS_RECORDS = 32
 #: Bad samples named in the skip warning.
 _WARN_EXAMPLES = 5
+
+
+class _Run:
+    """Items of one lane that the caller receives one after the other, counted together.
+
+    ``items`` are plain records (no tags) or, with ``batches``, block
+    batches; ``block``, when set, is the block whose data rows the records
+    are (the books then count rows, not records). ``pos`` items have been
+    received and counted. A run heads its lane's queue until it is spent.
+    """
+
+    __slots__ = ("batches", "block", "items", "pos")
+
+    def __init__(self, items: list[Any], block: Block | None, *, batches: bool) -> None:
+        self.items = items
+        self.block = block
+        self.batches = batches
+        self.pos = 0
+
+
+class _Interleave:
+    """The items of several runs in round-robin order, as the fast path hands them out.
+
+    ``served[j] = (lane index, lane, run)`` holds positions ``j, j + width,
+    ...`` of the ``total`` items; ``settled`` of them have been counted.
+    """
+
+    __slots__ = ("served", "settled", "total")
+
+    def __init__(self, served: list[tuple[int, int, _Run]], total: int) -> None:
+        self.served = served
+        self.total = total
+        self.settled = 0
 
 
 class PipelineIterator:
@@ -116,6 +149,10 @@ class PipelineIterator:
         prefetch: With ``runner="lanes"``: messages each worker may produce
             ahead of the consumer (default ``lanes.DEFAULT_PREFETCH``).
     """
+
+    #: At most this many items per interleave (None: no bound). Tests set 1 to hand
+    #: items over one at a time, the reference the interleaves are held to.
+    _interleave_max: int | None = None
 
     def __init__(
         self,
@@ -246,10 +283,12 @@ class PipelineIterator:
         self._driver_bytes = 0
         self._pool_bytes_base = self._pool_bytes_now()
         self._reported = False
+        # Per lane, what waits for the caller: _Run entries (plain records or block
+        # batches, handed out through an interleave) and single items.
         self._queues: dict[int, deque[Any]] = {lane: deque() for lane in self.lanes}
-        # Records handed to the caller whose accounting is still owed: settled
-        # in bulk (see _settle) before anything reads or moves the progress.
-        self._owed: dict[int, list[Any]] = {lane: [] for lane in self.lanes}
+        # The interleave being handed out (see _interleave) and its iterator.
+        self._plan: _Interleave | None = None
+        self._fast: Iterator[Any] = iter(())
         self._rr = 0
         self._ended: set[int] = set()
         src = self.pipeline.source
@@ -338,25 +377,24 @@ class PipelineIterator:
         return self
 
     def __next__(self) -> SampleRecord | SampleBatch:
+        # The fast path: the next item of the interleave prepared by _interleave,
+        # taken without a lock (one step of a list iterator, atomic under the GIL);
+        # the books count what was taken from how many items the iterator has left.
+        for item in self._fast:
+            return item
+        return self._next_slow()
+
+    def _next_slow(self) -> SampleRecord | SampleBatch:
         if self._waiting:  # another thread waits for a state: let it in first
             with self._turnstile:
                 pass
         with self._lock:  # uncontended unless another thread takes a state
+            self._settle_fast()  # the interleave is spent: count the rest of it
             lanes = self.lanes
             lane = lanes[self._rr]
             queue = self._queues[lane]
-            if queue:  # the common case, kept short: a plain record
-                item = queue.popleft()
-                if type(item) is SampleRecord and not item.meta.tags and not (
-                        queue and type(queue[0]) is SampleRecord and queue[0].meta.tags):
-                    self._rr = (self._rr + 1) % len(lanes)
-                    owed = self._owed[lane]
-                    owed.append(item)
-                    if len(owed) >= _SETTLE_EVERY:
-                        self._settle(lane)
-                    return item
-                queue.appendleft(item)
-                return self._deliver(lane, queue)
+            if queue:
+                return self._serve(lane, queue)
             if self._closed:
                 raise StopIteration
             self._started = True
@@ -375,7 +413,7 @@ class PipelineIterator:
                 lane = lanes[self._rr]
                 queue = queues[lane]
                 if queue:
-                    return self._deliver(lane, queue)
+                    return self._serve(lane, queue)
                 if lane in self._ended:
                     self._rr = (self._rr + 1) % len(lanes)
                     continue
@@ -385,50 +423,136 @@ class PipelineIterator:
                     ending = self.engine.lanes_of(lane) if self.runner == "lanes" else lanes
                     for other in ending:
                         if not queues[other] and other not in self._ended:
-                            self._settle(other)
                             self._ended.add(other)
                             self.accounting.lane_ended(other)
 
+    def _serve(self, lane: int, queue: deque[Any]) -> Any:
+        """Hand over the next item of ``lane`` (whose queue is not empty), lock held."""
+        if type(queue[0]) is _Run:
+            return self._interleave()
+        return self._deliver(lane, queue)
+
     def _deliver(self, lane: int, queue: deque[Any]) -> Any:
-        # Every first item after a pump comes through here (the fast path in __next__
-        # needs a queue that a pump filled), so the loaded position ends here.
+        """One item that is not part of a run: a tagged record, a batch of records, a
+        finished batch. It is accounted at once."""
+        # Every first item after a pump comes through here or _interleave (the fast
+        # path needs an interleave that a pump filled), so the loaded position ends here.
         self._at_loaded = False
         self._rr = (self._rr + 1) % len(self.lanes)
         item = queue.popleft()
-        if type(item) is SampleRecord and not item.meta.tags:
-            owed = self._owed[lane]
-            owed.append(item)
-            if len(owed) >= _SETTLE_EVERY:
-                self._settle(lane)
-        else:  # a batch or a tagged record: settle what came before, then count it
-            self._settle(lane)
-            # A batch finished in its lane worker counts as the batch it carries.
-            self.accounting.delivered(lane, item.batch if type(item) is Finished else item)
+        # A batch finished in its lane worker counts as the batch it carries.
+        self.accounting.delivered(lane, item.batch if type(item) is Finished else item)
         if queue and type(queue[0]) is SampleRecord and queue[0].meta.tags:
             self._drain_sentinels(lane, queue)
         return item
 
-    def _settle(self, lane: int) -> None:
-        """Account for the items handed to the caller since the last settlement.
+    def _interleave(self) -> Any:
+        """Start handing out the runs at the heads of the lanes' queues, round-robin.
 
-        Delivering a plain record (no tags: the common case) only queues it
-        here; the counters and the replay cursor are brought up to date a list
-        at a time, every ``_SETTLE_EVERY`` records and before anything reads
-        or changes the lane's progress. Batches and tagged records are
-        accounted at once, after the records owed before them.
+        From the lane at the round-robin position on, the lanes whose queue
+        starts with a run take turns, one item each, ended lanes skipped, up to
+        the first lane that has nothing left in its run or whose next item is
+        not in a run: exactly the items, in exactly the order, that one
+        ``next()`` at a time would hand over before anything else happened
+        (a pump, a batch, a sentinel). They go into one list, read by the fast
+        path of :meth:`__next__`; :meth:`_settle_fast` accounts for them from
+        the count taken. Lock held; the lane at the round-robin position starts
+        with a run. Returns the first item.
         """
-        owed = self._owed[lane]
-        if owed:
-            self._owed[lane] = []
-            self.accounting.delivered_plain(lane, owed)
+        lanes = self.lanes
+        count = len(lanes)
+        queues = self._queues
+        ended = self._ended
+        rr = self._rr
+        served: list[tuple[int, int, _Run]] = []
+        blocked = False
+        for step in range(count):
+            index = (rr + step) % count
+            lane = lanes[index]
+            queue = queues[lane]
+            if queue:
+                head = queue[0]
+                if type(head) is not _Run:
+                    blocked = True
+                    break
+                served.append((index, lane, head))
+            elif lane not in ended:
+                blocked = True  # this lane needs a pump
+                break
+        width = len(served)
+        left = [len(run.items) - run.pos for _, _, run in served]
+        if blocked:  # one turn, up to the lane that stops it
+            total = width
+        else:  # whole rounds while every run lasts, then the lanes that have more
+            rounds = min(left)
+            total = rounds * width + left.index(rounds)
+        if self._interleave_max is not None:
+            total = min(total, self._interleave_max)
+        out: list[Any] = [None] * total
+        for j, (_, _, run) in enumerate(served):
+            take = (total - j + width - 1) // width  # positions j, j + width, ... below total
+            out[j::width] = run.items[run.pos:run.pos + take]
+        self._plan = _Interleave(served, total)
+        self._at_loaded = False
+        self._fast = fast = iter(out)
+        return next(fast)
+
+    def _settle_fast(self) -> None:
+        """Account for the items the caller took from the interleave since the last call.
+
+        How many were taken is what the list iterator has left, subtracted
+        from its length: ``j``-th served lane got the items at positions
+        ``j, j + width, ...`` below that count. Each lane's books then hear
+        of its items in order, its run finished being dropped (and the
+        sentinels right behind it accounted, as after any item), and the
+        round-robin position moves past the last item taken. Lock held; safe
+        while the iterating thread goes on taking items (it only moves the
+        list iterator).
+        """
+        plan = self._plan
+        if plan is None:
+            return
+        total = plan.total
+        taken = total - self._fast.__length_hint__()  # exact for a list iterator
+        done = plan.settled
+        if taken > done:
+            served = plan.served
+            width = len(served)
+            queues = self._queues
+            for j, (_, lane, run) in enumerate(served):
+                now = (taken - j + width - 1) // width if taken > j else 0
+                before = (done - j + width - 1) // width if done > j else 0
+                if now == before:
+                    continue
+                start = run.pos
+                run.pos = start + now - before
+                self._account(lane, run, start, run.pos)
+                if run.pos == len(run.items):
+                    queue = queues[lane]
+                    queue.popleft()  # the run heads its queue until it is spent
+                    if queue and type(queue[0]) is SampleRecord and queue[0].meta.tags:
+                        self._drain_sentinels(lane, queue)
+            self._rr = (served[(taken - 1) % width][0] + 1) % len(self.lanes)
+            plan.settled = taken
+        if taken == total:
+            self._plan = None
+
+    def _account(self, lane: int, run: _Run, start: int, stop: int) -> None:
+        """Items ``start..stop-1`` of a run were received: tell the books, in one call."""
+        books = self.accounting
+        if run.batches:
+            books.delivered_batches(lane, run.items[start:stop])
+        elif run.block is not None and stop - start >= _ROWS_AS_RECORDS:
+            books.delivered_rows(lane, run.block, start, stop)
+        else:
+            books.delivered_plain(lane, run.items[start:stop])
 
     def _settle_all(self) -> None:
-        for lane in self.lanes:
-            self._settle(lane)
+        """Bring the books up to date with what the caller received (lock held)."""
+        self._settle_fast()
 
     def _drain_sentinels(self, lane: int, queue: deque[Any]) -> None:
         """Sentinels at the head of a lane's queue: their epoch is fully delivered."""
-        self._settle(lane)
         while queue and type(queue[0]) is SampleRecord and queue[0].meta.is_flush_sentinel:
             self.accounting.sentinel(lane, queue.popleft().meta.chunk_id)
 
@@ -451,7 +575,6 @@ class PipelineIterator:
             self._settle_all()
             log_throughput(self, pace.recent(ended))
         outputs = self.engine.outputs
-        queues = self._queues
         while outputs:
             items = outputs.popleft()
             kind = type(items)
@@ -462,29 +585,58 @@ class PipelineIterator:
                 self._route_sentinel(items.lane, items.boundary)
                 continue
             first = items[0]
-            lane = first.meta.lane_id if type(first) is SampleRecord else first.lane_ids[0]
-            if all(type(e) is SampleRecord and not e.meta.tags and e.meta.lane_id == lane
-                   for e in items):  # plain records of one lane: move them at once
-                queues[lane].extend(items)
-                continue
+            if type(first) is SampleRecord:
+                lane = first.meta.lane_id
+                if all(type(e) is SampleRecord and not e.meta.tags and e.meta.lane_id == lane
+                       for e in items):  # plain records of one lane: move them at once
+                    self._queue_records(lane, items)
+                    continue
             for elem in items:
                 self._route(elem)
         return alive
 
     def _route(self, elem: Any) -> None:
-        if type(elem) is SampleRecord:
+        kind = type(elem)
+        if kind is BlockBatch:
+            self._queue_batch(elem)
+            return
+        if kind is SampleRecord:
             lane = elem.meta.lane_id
             tags = elem.meta.tags
-            if tags and tags.get(TOMBSTONE_TAG):
-                self._settle(lane)
+            if not tags:
+                self._queue_records(lane, [elem])
+                return
+            if tags.get(TOMBSTONE_TAG):
                 self.accounting.tombstone(lane, elem)
                 return
-            if tags and tags.get(FLUSH_SENTINEL_TAG):
+            if tags.get(FLUSH_SENTINEL_TAG):
                 self._route_sentinel(lane, elem.meta.chunk_id)
                 return
         else:
             lane = elem.lane_ids[0]
         self._queues[lane].append(elem)
+
+    def _queue_records(self, lane: int, records: Sequence[SampleRecord],
+                       block: Block | None = None) -> None:
+        """Plain records of ``lane`` join its queue as a run (``block``: the block whose
+        data rows they are, so that the books can count them with array operations)."""
+        queue = self._queues[lane]
+        if block is None and queue:
+            tail = queue[-1]
+            if type(tail) is _Run and not tail.batches and tail.block is None:
+                tail.items.extend(records)  # no interleave reads it: pumps come between
+                return
+        queue.append(_Run(list(records), block, batches=False))
+
+    def _queue_batch(self, batch: BlockBatch) -> None:
+        """A block batch joins its lane's queue, in a run with the batches before it."""
+        queue = self._queues[batch.block.lane]
+        if queue:
+            tail = queue[-1]
+            if type(tail) is _Run and tail.batches:
+                tail.items.append(batch)
+                return
+        queue.append(_Run([batch], None, batches=True))
 
     def _route_sentinel(self, lane: int, boundary: int) -> None:
         # A marker in the lane's queue: the epoch is done once the caller has
@@ -493,7 +645,6 @@ class PipelineIterator:
         if queue:
             queue.append(Sentinel(lane, boundary).record())
         else:
-            self._settle(lane)
             self.accounting.sentinel(lane, boundary)
 
     def _route_block(self, block: Block) -> None:
@@ -502,19 +653,24 @@ class PipelineIterator:
         data = block
         if block.tomb is not None:
             tombs = block.take(np.flatnonzero(block.tomb))
-            self._settle(lane)
             self.accounting.tombstones(tombs)
             if len(tombs) == len(block):
                 return
             data = block.take(np.flatnonzero(~block.tomb))
-        self._queues[lane].extend(data.records())
+        if data._plain():
+            self._queue_records(lane, data.records(), data)
+            return
+        queue = self._queues[lane]
+        for record in data.records():  # rows with tags (packed, with metadata) alone
+            if record.meta.tags:
+                queue.append(record)
+            else:
+                self._queue_records(lane, [record])
 
     def _on_chunk(self, chunk: Chunk) -> None:
-        self._settle(chunk.lane_id)
         self.accounting.register(chunk)
 
     def _on_replay_drop(self, dropped: SampleRecord | Block) -> None:
-        self._settle(dropped.lane if type(dropped) is Block else dropped.meta.lane_id)
         self.accounting.replay_dropped(dropped)
 
     # ------------------------------------------------------------------ checkpoints

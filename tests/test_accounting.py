@@ -260,7 +260,7 @@ def test_rows_of_a_block_are_counted_as_their_records_would_be(data: st.DataObje
     import numpy as np
 
     from zephon_torch.accounting import Accounting
-    from zephon_torch.block import Block
+    from zephon_torch.block import Block, PlainRows
     from zephon_torch.sources.schedule import Chunk, ScheduleState
 
     flush_every = data.draw(st.sampled_from([0, 1, 3]))
@@ -285,7 +285,7 @@ def test_rows_of_a_block_are_counted_as_their_records_would_be(data: st.DataObje
                                 np.arange(size, dtype=np.int64) + 10 * c))
         for a, b in itertools.pairwise(bounds):
             if as_rows:
-                book.delivered_rows(2, block, a, b)
+                book.delivered_rows(2, PlainRows(block), a, b)
             elif b > a:
                 book.delivered_plain(2, records[a:b])
         books.append(book)

@@ -343,7 +343,7 @@ _rows = st.lists(st.tuples(*[st.integers(0, 2**40)] * 5), max_size=8)
 def test_records_built_in_one_sweep_are_those_the_constructors_build(rows, data):
     import pickle
 
-    from zephon_torch.types import metas_from_rows, records_from_rows
+    from zephon_torch.types import metas_from_columns, records_from_columns
 
     n = len(rows)
     counts = data.draw(st.lists(st.one_of(st.none(), st.just({0: 1}), st.dictionaries(
@@ -356,9 +356,10 @@ def test_records_built_in_one_sweep_are_those_the_constructors_build(rows, data)
         st.one_of(st.none(), st.just({TOMBSTONE_TAG: True})), min_size=n, max_size=n)))
     payloads = [{"i": i} for i in range(n)]
     lane = data.draw(st.integers(0, 7))
-    records = records_from_rows(lane, [list(r) for r in rows], counts, payloads, tokens,
-                                lineage, tags)
-    metas = metas_from_rows(lane, [list(r) for r in rows], counts, tokens, lineage, tags)
+    columns = [[row[k] for row in rows] for k in range(5)]
+    lanes = [lane] * n
+    records = records_from_columns(lanes, columns, counts, payloads, tokens, lineage, tags)
+    metas = metas_from_columns(lanes, columns, counts, tokens, lineage, tags)
     for i, ((d, s, loc, c, o), record, meta) in enumerate(zip(rows, records, metas)):
         expected = SampleMeta((d, s, loc), lane, c, o, counts[i],
                               None if tokens is None else tokens[i],

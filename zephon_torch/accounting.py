@@ -16,7 +16,7 @@ The events::
 
     register(chunk)                a chunk emitted for a lane
     delivered_plain(lane, recs)    plain records the caller received, in order
-    delivered_rows(lane, block, a, b)  the same, as rows a..b-1 of a block without tags
+    delivered_rows(lane, rows, a, b)  the same, as rows a..b-1 of a block without tags
     delivered_batches(lane, items) batches the caller received, in order
     delivered(lane, item)          a tagged record, a batch or a block batch received
     tombstone(lane, record)        a tombstone reached the consumer
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon_torch.block import ID_CHUNK, ID_OFFSET, Block, BlockBatch
+from zephon_torch.block import ID_CHUNK, ID_OFFSET, Block, BlockBatch, PlainRows
 from zephon_torch.types import SampleBatch, SampleRecord
 from zephon_torch.vocab import (
     TOMBSTONE_DETAIL_TAG,
@@ -338,35 +338,35 @@ class Accounting:
                 meta = item.meta
                 add((lane_id, meta.chunk_id, meta.chunk_offset))
 
-    def delivered_rows(self, lane_id: int, block: Block, start: int, stop: int) -> None:
+    def delivered_rows(self, lane_id: int, rows: PlainRows, start: int, stop: int) -> None:
         """Rows ``start..stop-1`` of a block without tags, received as records.
 
         What :meth:`delivered_plain` does with their records, read from the
-        block's columns: for the usual rows of one chunk, a few array
-        operations and no work per row.
+        rows' columns: for the usual rows of one chunk, a few calls and no
+        work per row.
         """
         n = stop - start
         if n <= 0:
             return
         lane = self.lanes[lane_id]
         lane.samples_delivered += n
-        ids = block.ids[start:stop]
-        chunks = ids[:, ID_CHUNK]
-        first = int(chunks[0])
+        chunks = rows.chunk_ids[start:stop]
+        offsets = rows.offsets[start:stop]
         k = self.flush_every
         counts = lane.delivered_in_epoch
-        if first == int(chunks[-1]) and bool((chunks == first).all()):  # one chunk
+        if rows.single_chunk:
+            first = chunks[0]
             key = first // k if k else first
             counts[key] = counts.get(key, 0) + n
             if not k:
-                lane.close_many(first, ids[:, ID_OFFSET].tolist())
+                lane.close_many(first, offsets)
         elif k:
-            for chunk_id in chunks.tolist():
+            for chunk_id in chunks:
                 epoch = chunk_id // k
                 counts[epoch] = counts.get(epoch, 0) + 1
         else:  # each row closes its own offset, grouped by chunk in order of appearance
             groups: dict[int, list[int]] = {}
-            for chunk_id, offset in zip(chunks.tolist(), ids[:, ID_OFFSET].tolist()):
+            for chunk_id, offset in zip(chunks, offsets):
                 group = groups.get(chunk_id)
                 if group is None:
                     group = groups[chunk_id] = []
@@ -374,11 +374,13 @@ class Accounting:
             for chunk_id, group in groups.items():
                 counts[chunk_id] = counts.get(chunk_id, 0) + len(group)
                 lane.close_many(chunk_id, group)
-        lane.cursor = block.cursor_key(stop - 1)
+        lane.cursor = rows.cursor_key(stop - 1)
         lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
         lane.outputs += n
         if self.samples is not None:
-            self.samples.add_arrays(lane_id, chunks, ids[:, ID_OFFSET])
+            add = self.samples.add
+            for chunk_id, offset in zip(chunks, offsets):
+                add((lane_id, chunk_id, offset))
 
     def delivered_batches(self, lane_id: int, batches: Sequence[Any]) -> None:
         """Batches of ``lane_id`` the caller received, in order (:meth:`delivered` each)."""

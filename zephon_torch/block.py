@@ -62,8 +62,8 @@ from zephon_torch.types import (
     SampleCursor,
     SampleMeta,
     SampleRecord,
-    metas_from_rows,
-    records_from_rows,
+    metas_from_columns,
+    records_from_columns,
 )
 from zephon_torch.vocab import (
     CONTRIBUTORS_TAG,
@@ -83,6 +83,7 @@ __all__ = [
     "Block",
     "BlockBatch",
     "Contributors",
+    "PlainRows",
     "Ragged",
     "RowView",
     "Sentinel",
@@ -588,22 +589,25 @@ class Block:
                 and self.extra is None)
 
     def _meta_columns(self) -> tuple[list[list[int]], list[dict[int, int]], Any, Any, Any]:
-        """What every row's meta is made of: ids, counts, token counts, lineage, tags."""
+        """What every row's meta is made of: the id columns, counts, token counts,
+        lineage, tags."""
         tags = None
         if not self._plain():
             tags = [self.tags(i) or None for i in range(len(self))]
-        return self.ids.tolist(), self._counts_list(), self.token_counts, self.lineage, tags
+        return self.ids.T.tolist(), self._counts_list(), self.token_counts, self.lineage, tags
 
     def metas(self) -> list[SampleMeta]:
         """Every row's :class:`~zephon_torch.types.SampleMeta`, in order."""
-        ids, counts, tokens, lineage, tags = self._meta_columns()
-        return metas_from_rows(self.lane, ids, counts, tokens, lineage, tags)
+        columns, counts, tokens, lineage, tags = self._meta_columns()
+        return metas_from_columns(itertools.repeat(self.lane), columns, counts, tokens, lineage,
+                                  tags)
 
     def records(self) -> list[SampleRecord]:
         """Every row as a :class:`~zephon_torch.types.SampleRecord`, in order."""
-        ids, counts, tokens, lineage, tags = self._meta_columns()
+        columns, counts, tokens, lineage, tags = self._meta_columns()
         payloads = self.payloads if self.payloads is not None else self.payload_list()
-        return records_from_rows(self.lane, ids, counts, payloads, tokens, lineage, tags)
+        return records_from_columns(itertools.repeat(self.lane), columns, counts, payloads,
+                                    tokens, lineage, tags)
 
     def record(self, i: int) -> SampleRecord:
         """Row ``i`` as a record."""
@@ -1012,6 +1016,71 @@ def blocks_from_records(records: Iterable[SampleRecord]) -> list[Block]:
     for record in records:
         by_lane.setdefault(record.meta.lane_id, []).append(record)
     return [Block.from_records(rs, lane) for lane, rs in by_lane.items()]
+
+
+# --------------------------------------------------------------------------- plain rows
+
+
+class PlainRows:
+    """The rows of a block without tags, unpacked once into Python lists.
+
+    What the consumer needs of a block of plain data rows that it hands out
+    a few at a time: the records of any range of rows (built only when asked
+    for) and, for the books, the rows' chunk ids, offsets and cursor keys,
+    read without a numpy call each time. A handful of lists per block, not
+    an object per row, so that rows waiting in a queue cost the garbage
+    collector nothing.
+
+    Raises:
+        ValueError: The block has rows with tags (tombstones, contributors,
+            packing metadata, other tags).
+    """
+
+    __slots__ = ("columns", "counts", "lane", "lineage", "payloads", "single_chunk",
+                 "token_counts")
+
+    def __init__(self, block: Block) -> None:
+        if not block._plain():
+            raise ValueError("PlainRows holds rows without tags; this block has tagged rows")
+        self.lane = block.lane
+        #: dataset, shard, local id, chunk id, offset: one list each.
+        self.columns: list[list[int]] = block.ids.T.tolist()
+        self.counts = block._counts_list()
+        self.payloads = block.payloads if block.payloads is not None else block.payload_list()
+        self.token_counts = block.token_counts
+        self.lineage = block.lineage
+        chunks = block.ids[:, ID_CHUNK]
+        #: Every row is of one chunk (the usual block).
+        self.single_chunk = len(chunks) == 0 or (
+            chunks[0] == chunks[-1] and bool((chunks == chunks[0]).all()))
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    @property
+    def chunk_ids(self) -> list[int]:
+        """The ``chunk_id`` of every row."""
+        return self.columns[ID_CHUNK]
+
+    @property
+    def offsets(self) -> list[int]:
+        """The ``chunk_offset`` of every row."""
+        return self.columns[ID_OFFSET]
+
+    def records(self, start: int, stop: int) -> list[SampleRecord]:
+        """Rows ``start..stop-1`` as records (what ``Block.records()`` gives for them)."""
+        cut = slice(start, stop)
+        tokens, lineage = self.token_counts, self.lineage
+        return records_from_columns(
+            itertools.repeat(self.lane), [column[cut] for column in self.columns],
+            self.counts[cut],
+            self.payloads[cut], None if tokens is None else tokens[cut],
+            None if lineage is None else lineage[cut])
+
+    def cursor_key(self, i: int) -> tuple[int, int, tuple[int, ...], tuple[int, int, int]]:
+        """Row ``i``'s cursor key ``(chunk_id, chunk_offset, lineage, sample_id)``."""
+        d, s, loc, c, o = (column[i] for column in self.columns)
+        return (c, o, self.lineage[i] if self.lineage is not None else (), (d, s, loc))
 
 
 # --------------------------------------------------------------------------- batches

@@ -28,7 +28,7 @@ as they are and must not be mutated afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Union
@@ -460,32 +460,37 @@ class _RecordDraft:
     __slots__ = SampleRecord.__slots__  # type: ignore[attr-defined]
 
 
-def records_from_rows(
-    lane_id: int,
-    rows: Sequence[Sequence[int]],
+def records_from_columns(
+    lanes: Iterable[int],
+    columns: Sequence[Sequence[int]],
     counts: Sequence[dict[int, int] | None],
     payloads: Sequence[Any],
     token_counts: Sequence[dict[int, int] | None] | None = None,
     lineage: Sequence[tuple[int, ...]] | None = None,
     tags: Sequence[dict[str, Any] | None] | None = None,
 ) -> list[SampleRecord]:
-    """Records of one lane built in one sweep, equal to ``SampleRecord(SampleMeta(...), p)``.
+    """Records built in one sweep over columns, equal to ``SampleRecord(SampleMeta(...), p)``.
 
-    Row ``i`` is ``SampleRecord(SampleMeta((d, s, loc), lane_id, c, o, counts[i],
-    token_counts[i], lineage[i], tags[i]), payloads[i])`` for ``rows[i] == (d,
-    s, loc, c, o)``; ``None`` for ``token_counts``, ``lineage`` or ``tags``
-    means the defaults for every row. For the block layer, which makes records
-    a block at a time.
+    ``columns`` holds five equally long columns: dataset, shard and local id
+    (the ``sample_id``), ``chunk_id`` and ``chunk_offset``; ``lanes`` the
+    lane of each row (``itertools.repeat(lane)`` for one lane). Row ``i``
+    becomes ``SampleRecord(SampleMeta(sample_id, lanes[i], chunk_id,
+    chunk_offset, counts[i], token_counts[i], lineage[i], tags[i]),
+    payloads[i])``; ``None`` for ``token_counts``, ``lineage`` or ``tags``
+    means the defaults for every row. For the block layer and the consumer,
+    which make records a block (or a slice of an interleave) at a time.
     """
     new = object.__new__
     meta_type, record_type = SampleMeta, SampleRecord
     out: list[SampleRecord] = []
     append = out.append
     if token_counts is None and lineage is None and tags is None:
-        for (d, s, loc, c, o), cnt, payload in zip(rows, counts, payloads):
+        dataset, shard, local, chunk, offset = columns
+        for lane, d, s, loc, c, o, cnt, payload in zip(lanes, dataset, shard, local, chunk,
+                                                       offset, counts, payloads):
             m = new(_MetaDraft)
             m.sample_id = (d, s, loc)
-            m.lane_id = lane_id
+            m.lane_id = lane
             m.chunk_id = c
             m.chunk_offset = o
             m.component_sample_counts = {} if cnt is None else cnt
@@ -499,22 +504,8 @@ def records_from_rows(
             r.__class__ = record_type  # type: ignore[assignment]
             append(r)
         return out  # type: ignore[return-value]
-    n = len(rows)
-    tokens = token_counts if token_counts is not None else repeat(None, n)
-    paths = lineage if lineage is not None else repeat((), n)
-    marks = tags if tags is not None else repeat(None, n)
-    for (d, s, loc, c, o), cnt, tc, lin, tg, payload in zip(rows, counts, tokens, paths, marks,
-                                                            payloads):
-        m = new(_MetaDraft)
-        m.sample_id = (d, s, loc)
-        m.lane_id = lane_id
-        m.chunk_id = c
-        m.chunk_offset = o
-        m.component_sample_counts = {} if cnt is None else cnt
-        m.component_token_counts = tc
-        m.lineage = lin
-        m.tags = _NO_TAGS if tg is None else tg
-        m.__class__ = meta_type  # type: ignore[assignment]
+    metas = metas_from_columns(lanes, columns, counts, token_counts, lineage, tags)
+    for m, payload in zip(metas, payloads):
         r = new(_RecordDraft)
         r.meta = m
         r.payload = payload
@@ -523,27 +514,28 @@ def records_from_rows(
     return out  # type: ignore[return-value]
 
 
-def metas_from_rows(
-    lane_id: int,
-    rows: Sequence[Sequence[int]],
+def metas_from_columns(
+    lanes: Iterable[int],
+    columns: Sequence[Sequence[int]],
     counts: Sequence[dict[int, int] | None],
     token_counts: Sequence[dict[int, int] | None] | None = None,
     lineage: Sequence[tuple[int, ...]] | None = None,
     tags: Sequence[dict[str, Any] | None] | None = None,
 ) -> list[SampleMeta]:
-    """The metas of :func:`records_from_rows`, without records."""
+    """The metas of :func:`records_from_columns`, without records."""
     new = object.__new__
     meta_type = SampleMeta
-    n = len(rows)
+    n = len(counts)
     tokens = token_counts if token_counts is not None else repeat(None, n)
     paths = lineage if lineage is not None else repeat((), n)
     marks = tags if tags is not None else repeat(None, n)
     out: list[SampleMeta] = []
     append = out.append
-    for (d, s, loc, c, o), cnt, tc, lin, tg in zip(rows, counts, tokens, paths, marks):
+    for lane, d, s, loc, c, o, cnt, tc, lin, tg in zip(lanes, *columns, counts, tokens, paths,
+                                                       marks):
         m = new(_MetaDraft)
         m.sample_id = (d, s, loc)
-        m.lane_id = lane_id
+        m.lane_id = lane
         m.chunk_id = c
         m.chunk_offset = o
         m.component_sample_counts = {} if cnt is None else cnt

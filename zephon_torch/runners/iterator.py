@@ -33,13 +33,14 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zephon_torch import logs
 from zephon_torch.accounting import Accounting, Throughput
-from zephon_torch.block import Block, BlockBatch, Sentinel
+from zephon_torch.block import Block, BlockBatch, PlainRows, Sentinel
 from zephon_torch.checkpoint import fingerprint_parts, refuse_nondeterministic
 from zephon_torch.epochs import check_epoch, check_state_epoch, epoch_pipeline
 from zephon_torch.logs import log_end, log_resume, log_skips, log_start, log_throughput
@@ -56,7 +57,7 @@ from zephon_torch.runners.lanes import Finished, LaneJob, LaneRun
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.sources.schedule import Chunk
 from zephon_torch.topology import lane_shares, owned_lanes, resolve_topology
-from zephon_torch.types import SampleBatch, SampleRecord
+from zephon_torch.types import SampleBatch, SampleRecord, records_from_columns
 from zephon_torch.vocab import FLUSH_SENTINEL_TAG, TOMBSTONE_TAG
 
 if TYPE_CHECKING:
@@ -70,8 +71,14 @@ RUNNERS = ("inline", "threads", "process", "lanes")
 #: The keyword arguments of ``Pipeline.iter`` (the torch wrappers check theirs against it).
 ITER_KWARGS = ("runner", "num_workers", "deterministic", "rank", "world_size",
                "microbatch_sizes", "lanes", "verify", "task_timeout", "epoch")
-#: Below this many rows, a run's rows are accounted as records (no array work).
-_ROWS_AS_RECORDS = 32
+#: Items per interleave (the books are brought up to date once per interleave).
+_INTERLEAVE_ITEMS = 4096
+#: Records made at a time from the rows of an interleave. They live until the slice is
+#: spent; a small slice keeps the objects alive at once under the garbage collector's
+#: first threshold (700), so that they are freed young and never reach the old
+#: generations, whose collections walk the whole heap (in the overhead benchmark they
+#: cost more than everything else together).
+_RECORD_SLICE = 128
 #: Bad samples named in the skip warning.
 _WARN_EXAMPLES = 5
 
@@ -79,19 +86,30 @@ _WARN_EXAMPLES = 5
 class _Run:
     """Items of one lane that the caller receives one after the other, counted together.
 
-    ``items`` are plain records (no tags) or, with ``batches``, block
-    batches; ``block``, when set, is the block whose data rows the records
-    are (the books then count rows, not records). ``pos`` items have been
-    received and counted. A run heads its lane's queue until it is spent.
+    Either plain data rows of a block (``rows``: their records are built when
+    an interleave takes them) or a list of ``items``: plain records or, with
+    ``batches``, block batches. ``pos`` items have been received and
+    counted. A run heads its lane's queue until it is spent.
     """
 
-    __slots__ = ("batches", "block", "items", "pos")
+    __slots__ = ("batches", "items", "pos", "rows")
 
-    def __init__(self, items: list[Any], block: Block | None, *, batches: bool) -> None:
+    def __init__(self, items: list[Any] | None, rows: PlainRows | None = None, *,
+                 batches: bool = False) -> None:
         self.items = items
-        self.block = block
+        self.rows = rows
         self.batches = batches
         self.pos = 0
+
+    def size(self) -> int:
+        """Items in the run, received or not."""
+        return len(self.rows) if self.rows is not None else len(self.items)  # type: ignore[arg-type]
+
+    def take(self, start: int, stop: int) -> list[Any]:
+        """Items ``start..stop-1``."""
+        if self.rows is not None:
+            return self.rows.records(start, stop)
+        return self.items[start:stop]  # type: ignore[index]
 
 
 class _Interleave:
@@ -99,14 +117,62 @@ class _Interleave:
 
     ``served[j] = (lane index, lane, run)`` holds positions ``j, j + width,
     ...`` of the ``total`` items; ``settled`` of them have been counted.
+    ``cursor = (before, iterator, size)``: the list iterator the caller takes
+    items from, over ``size`` items that follow the first ``before``.
     """
 
-    __slots__ = ("served", "settled", "total")
+    __slots__ = ("cursor", "served", "settled", "total")
 
     def __init__(self, served: list[tuple[int, int, _Run]], total: int) -> None:
         self.served = served
         self.total = total
         self.settled = 0
+        self.cursor: tuple[int, Iterator[Any], int] = (0, iter(()), 0)
+
+
+def _record_slices(plan: _Interleave, takes: list[int]) -> Iterator[Iterator[SampleRecord]]:
+    """The records of an interleave of block rows, made a slice at a time.
+
+    The rows' columns are laid out in round-robin order at once (slice
+    assignments, no work per row); records are made :data:`_RECORD_SLICE`
+    at a time as the caller reaches them, so that few are alive at once.
+    Runs on the iterating thread, without the lock: it reads only what the
+    plan fixed, and publishes the slice being consumed in ``plan.cursor``.
+    """
+    served, total = plan.served, plan.total
+    width = len(served)
+    lanes: list[int] = [0] * total
+    columns = [[0] * total for _ in range(5)]
+    counts: list[Any] = [None] * total
+    payloads: list[Any] = [None] * total
+    with_tokens = any(run.rows.token_counts is not None for _, _, run in served)  # type: ignore[union-attr]
+    with_lineage = any(run.rows.lineage is not None for _, _, run in served)  # type: ignore[union-attr]
+    tokens: list[Any] | None = [None] * total if with_tokens else None
+    lineage: list[Any] | None = [()] * total if with_lineage else None
+    for j, (_, lane, run) in enumerate(served):
+        take = takes[j]
+        if not take:
+            continue
+        rows: PlainRows = run.rows  # type: ignore[assignment]
+        cut = slice(run.pos, run.pos + take)
+        at = slice(j, None, width)
+        lanes[at] = [lane] * take
+        for column, source in zip(columns, rows.columns):
+            column[at] = source[cut]
+        counts[at] = rows.counts[cut]
+        payloads[at] = rows.payloads[cut]
+        if tokens is not None and rows.token_counts is not None:
+            tokens[at] = rows.token_counts[cut]
+        if lineage is not None and rows.lineage is not None:
+            lineage[at] = rows.lineage[cut]
+    for start in range(0, total, _RECORD_SLICE):
+        cut = slice(start, start + _RECORD_SLICE)
+        records = records_from_columns(
+            lanes[cut], [column[cut] for column in columns], counts[cut], payloads[cut],
+            None if tokens is None else tokens[cut], None if lineage is None else lineage[cut])
+        items = iter(records)
+        plan.cursor = (start, items, len(records))
+        yield items
 
 
 class PipelineIterator:
@@ -150,9 +216,9 @@ class PipelineIterator:
             ahead of the consumer (default ``lanes.DEFAULT_PREFETCH``).
     """
 
-    #: At most this many items per interleave (None: no bound). Tests set 1 to hand
-    #: items over one at a time, the reference the interleaves are held to.
-    _interleave_max: int | None = None
+    #: At most this many items per interleave. Tests set 1 to hand items over one at
+    #: a time, the reference the interleaves are held to.
+    _interleave_max: int = _INTERLEAVE_ITEMS
 
     def __init__(
         self,
@@ -480,29 +546,37 @@ class PipelineIterator:
                 blocked = True  # this lane needs a pump
                 break
         width = len(served)
-        left = [len(run.items) - run.pos for _, _, run in served]
+        left = [run.size() - run.pos for _, _, run in served]
         if blocked:  # one turn, up to the lane that stops it
             total = width
         else:  # whole rounds while every run lasts, then the lanes that have more
             rounds = min(left)
             total = rounds * width + left.index(rounds)
-        if self._interleave_max is not None:
-            total = min(total, self._interleave_max)
-        out: list[Any] = [None] * total
-        for j, (_, _, run) in enumerate(served):
-            take = (total - j + width - 1) // width  # positions j, j + width, ... below total
-            out[j::width] = run.items[run.pos:run.pos + take]
-        self._plan = _Interleave(served, total)
+        total = min(total, self._interleave_max)
+        # Lane j holds positions j, j + width, ... below total.
+        takes = [(total - j + width - 1) // width for j in range(width)]
+        plan = _Interleave(served, total)
+        if all(run.rows is not None for _, _, run in served):
+            fast: Iterator[Any] = chain.from_iterable(_record_slices(plan, takes))
+        else:
+            out: list[Any] = [None] * total
+            for j, (_, _, run) in enumerate(served):
+                if takes[j]:
+                    out[j::width] = run.take(run.pos, run.pos + takes[j])
+            fast = iter(out)
+            plan.cursor = (0, fast, total)
+        self._plan = plan
         self._at_loaded = False
-        self._fast = fast = iter(out)
+        self._fast = fast
         return next(fast)
 
     def _settle_fast(self) -> None:
         """Account for the items the caller took from the interleave since the last call.
 
-        How many were taken is what the list iterator has left, subtracted
-        from its length: ``j``-th served lane got the items at positions
-        ``j, j + width, ...`` below that count. Each lane's books then hear
+        How many were taken is read from the list iterator being consumed
+        (its length less what it has left, after the items of the lists
+        before it): the ``j``-th served lane got the items at positions ``j,
+        j + width, ...`` below that count. Each lane's books then hear
         of its items in order, its run finished being dropped (and the
         sentinels right behind it accounted, as after any item), and the
         round-robin position moves past the last item taken. Lock held; safe
@@ -513,7 +587,8 @@ class PipelineIterator:
         if plan is None:
             return
         total = plan.total
-        taken = total - self._fast.__length_hint__()  # exact for a list iterator
+        before, items, size = plan.cursor  # one read: the iterating thread replaces it whole
+        taken = before + size - items.__length_hint__()  # exact for a list iterator
         done = plan.settled
         if taken > done:
             served = plan.served
@@ -527,7 +602,7 @@ class PipelineIterator:
                 start = run.pos
                 run.pos = start + now - before
                 self._account(lane, run, start, run.pos)
-                if run.pos == len(run.items):
+                if run.pos == run.size():
                     queue = queues[lane]
                     queue.popleft()  # the run heads its queue until it is spent
                     if queue and type(queue[0]) is SampleRecord and queue[0].meta.tags:
@@ -540,12 +615,12 @@ class PipelineIterator:
     def _account(self, lane: int, run: _Run, start: int, stop: int) -> None:
         """Items ``start..stop-1`` of a run were received: tell the books, in one call."""
         books = self.accounting
-        if run.batches:
-            books.delivered_batches(lane, run.items[start:stop])
-        elif run.block is not None and stop - start >= _ROWS_AS_RECORDS:
-            books.delivered_rows(lane, run.block, start, stop)
+        if run.rows is not None:
+            books.delivered_rows(lane, run.rows, start, stop)
+        elif run.batches:
+            books.delivered_batches(lane, run.items[start:stop])  # type: ignore[index]
         else:
-            books.delivered_plain(lane, run.items[start:stop])
+            books.delivered_plain(lane, run.items[start:stop])  # type: ignore[index]
 
     def _settle_all(self) -> None:
         """Bring the books up to date with what the caller received (lock held)."""
@@ -616,17 +691,15 @@ class PipelineIterator:
             lane = elem.lane_ids[0]
         self._queues[lane].append(elem)
 
-    def _queue_records(self, lane: int, records: Sequence[SampleRecord],
-                       block: Block | None = None) -> None:
-        """Plain records of ``lane`` join its queue as a run (``block``: the block whose
-        data rows they are, so that the books can count them with array operations)."""
+    def _queue_records(self, lane: int, records: Sequence[SampleRecord]) -> None:
+        """Plain records of ``lane`` join its queue, in a run with the records before them."""
         queue = self._queues[lane]
-        if block is None and queue:
+        if queue:
             tail = queue[-1]
-            if type(tail) is _Run and not tail.batches and tail.block is None:
+            if type(tail) is _Run and tail.items is not None and not tail.batches:
                 tail.items.extend(records)  # no interleave reads it: pumps come between
                 return
-        queue.append(_Run(list(records), block, batches=False))
+        queue.append(_Run(list(records)))
 
     def _queue_batch(self, batch: BlockBatch) -> None:
         """A block batch joins its lane's queue, in a run with the batches before it."""
@@ -634,9 +707,9 @@ class PipelineIterator:
         if queue:
             tail = queue[-1]
             if type(tail) is _Run and tail.batches:
-                tail.items.append(batch)
+                tail.items.append(batch)  # type: ignore[union-attr]
                 return
-        queue.append(_Run([batch], None, batches=True))
+        queue.append(_Run([batch], batches=True))
 
     def _route_sentinel(self, lane: int, boundary: int) -> None:
         # A marker in the lane's queue: the epoch is done once the caller has
@@ -657,8 +730,8 @@ class PipelineIterator:
             if len(tombs) == len(block):
                 return
             data = block.take(np.flatnonzero(~block.tomb))
-        if data._plain():
-            self._queue_records(lane, data.records(), data)
+        if data._plain():  # the usual block: its records are made when handed out
+            self._queues[lane].append(_Run(None, PlainRows(data)))
             return
         queue = self._queues[lane]
         for record in data.records():  # rows with tags (packed, with metadata) alone

@@ -153,16 +153,24 @@ def is_empty_text(text: Any) -> bool:
     return isinstance(text, (list, tuple, dict)) and not text
 
 
-def empty_text_rows(payloads: list[Any]) -> list[int]:
+def empty_text_rows(payloads: list[Any], texts: list[Any] | None = None) -> list[int]:
     """The positions of dict payloads whose ``"text"`` is an empty or all-whitespace
-    string (:func:`is_empty_text` for the sources' in-memory items, in one sweep)."""
-    if set(map(type, payloads)) == {dict}:
-        # The usual chunk: dicts whose texts are all present strings. Sweeps that
-        # run in C find that none is empty; the general test below finds which.
-        texts = list(map(dict.get, payloads, repeat("text")))
-        if set(map(type, texts)) == {str} and "" not in texts \
-                and not any(map(str.isspace, texts)):
+    string (:func:`is_empty_text` for the sources' in-memory items, in one sweep).
+
+    ``texts``, when the caller has them, are ``dict.get(p, "text")`` of every
+    payload (all of them dicts).
+    """
+    # The usual chunk, dicts with a non-blank text each, is recognised by three sweeps
+    # in C: ``dict.get`` and ``str.isspace`` refuse (TypeError) anything but a dict and
+    # a str, and only strings remain for ``in``. Anything else (a blank text, another
+    # payload, a subclass) is left to the row-by-row test, which decides exactly.
+    try:
+        if texts is None:
+            texts = list(map(dict.get, payloads, repeat("text")))
+        if not any(map(str.isspace, texts)) and "" not in texts:
             return []
+    except TypeError:
+        pass
     return [i for i, p in enumerate(payloads)
             if type(p) is dict and type(t := p.get("text")) is str and (not t or t.isspace())]
 

@@ -42,7 +42,7 @@ import posixpath
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import pairwise, repeat
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -195,8 +195,6 @@ class _FileDataset(Dataset):
 
 #: What ``ItemsDataset`` accepts as an item.
 _ITEM_KINDS = (dict, str, list, tuple, np.ndarray)
-#: Item types ``ItemsDataset.read`` hands over as they are (exactly these types).
-_AS_IS_KINDS = frozenset({dict, list, tuple, np.ndarray})
 
 
 class ItemsDataset(Dataset):
@@ -252,6 +250,15 @@ class ItemsDataset(Dataset):
 
     def read(self, shard_id: int, local_ids: Sequence[int]) -> list[Any]:
         """The payloads of ``local_ids`` (dicts are the caller's own objects)."""
+        return self.read_texts(shard_id, local_ids)[0]
+
+    def read_texts(self, shard_id: int, local_ids: Sequence[int]
+                   ) -> tuple[list[Any], list[Any] | None]:
+        """:meth:`read`, and when every payload is a dict, their ``"text"`` values.
+
+        The source's emptiness check (``vocab.empty_text_rows``) takes the
+        texts from here instead of looking them up again.
+        """
         if shard_id != 0:
             raise IndexError(f"{self.name}: shard {shard_id} does not exist (1 shard)")
         items = self._items
@@ -261,9 +268,10 @@ class ItemsDataset(Dataset):
                 out = list(map(items.__getitem__, local_ids))
         else:
             out = list(map(items.__getitem__, local_ids))
-        if set(map(type, out)) <= _AS_IS_KINDS:  # no str to wrap (the usual case)
-            return out
-        return [{"text": item} if isinstance(item, str) else item for item in out]
+        try:  # dict.get takes dicts only: when it takes them all, no str needs wrapping
+            return out, list(map(dict.get, out, repeat("text")))
+        except TypeError:
+            return [{"text": item} if isinstance(item, str) else item for item in out], None
 
     def stream(self, shard_id: int) -> Iterator[Any]:
         """The payloads in order."""

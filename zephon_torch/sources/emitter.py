@@ -27,6 +27,7 @@ import numpy as np
 
 from zephon_torch.block import Block, Sentinel
 from zephon_torch.sources.base import POINTER, Dataset
+from zephon_torch.sources.datasets import ItemsDataset
 from zephon_torch.sources.schedule import Chunk, ScheduleState, WorkSchedule
 from zephon_torch.types import SampleRecord
 from zephon_torch.vocab import empty_text_rows
@@ -184,14 +185,19 @@ class SourceEmitter:
         if _single(chunk.dataset_ids) and _single(chunk.shard_ids) and \
                 self._shards[int(chunk.dataset_ids[0])][int(chunk.shard_ids[0])].access \
                 == "inline":
-            dataset_id, shard_id = int(chunk.dataset_ids[0]), int(chunk.shard_ids[0])
-            payloads = self.datasets[dataset_id].read(shard_id, _as_run(chunk.local_ids))
+            dataset = self.datasets[int(chunk.dataset_ids[0])]
+            shard_id, local_ids = int(chunk.shard_ids[0]), _as_run(chunk.local_ids)
+            if type(dataset) is ItemsDataset:  # in-memory items: their texts come along
+                payloads, texts = dataset.read_texts(shard_id, local_ids)
+            else:
+                payloads, texts = dataset.read(shard_id, local_ids), None
         else:
             payloads = self._payloads(chunk.dataset_ids.tolist(), chunk.shard_ids.tolist(),
                                       chunk.local_ids.tolist())
+            texts = None
         block = Block(chunk.lane_id, ids, payloads=payloads, component=component)
         # An empty in-memory or streamed document is closed by a tombstone now.
-        empty = empty_text_rows(payloads)
+        empty = empty_text_rows(payloads, texts)
         if empty:
             mask = np.zeros(n, dtype=bool)
             mask[empty] = True

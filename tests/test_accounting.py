@@ -293,3 +293,32 @@ def test_rows_of_a_block_are_counted_as_their_records_would_be(data: st.DataObje
     assert by_rows.lanes == plain.lanes
     assert by_rows.samples.closed == plain.samples.closed
     assert by_rows.samples.duplicates == plain.samples.duplicates
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(-3, 12)),
+    st.tuples(st.just("many"), st.lists(st.integers(-3, 12), max_size=6)),
+    st.tuples(st.just("run"), st.integers(-3, 12), st.integers(0, 6))), max_size=12))
+def test_a_chunks_closed_offsets_are_a_set_however_they_are_held(ops: list[Any]) -> None:
+    # Runs closed in order move a prefix instead of filling a set; the offsets
+    # closed, and how many, must be those of a plain set.
+    from zephon_torch.accounting import _ChunkProgress
+    from zephon_torch.sources.schedule import ScheduleState
+
+    progress = _ChunkProgress(10, ScheduleState(0, (0,)))
+    model: set[int] = set()
+    for op in ops:
+        if op[0] == "add":
+            assert progress.add(op[1]) == (op[1] not in model)
+            model.add(op[1])
+        elif op[0] == "many":
+            progress.add_many(list(op[1]))
+            model.update(op[1])
+        else:
+            start, length = op[1], op[2]
+            progress.add_run(start, start + length)
+            model.update(range(start, start + length))
+        assert progress.offsets() == model
+        assert progress.count() == len(model)
+        assert not set(range(progress.prefix)) & progress.closed

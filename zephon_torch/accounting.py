@@ -70,11 +70,62 @@ __all__ = ["Accounting", "LaneProgress", "ProgressTracker", "SampleBook", "Throu
 _KEEP_BAD = 20
 
 
-@dataclass
+@dataclass(eq=False)
 class _ChunkProgress:
+    """The closed offsets of a chunk: ``0..prefix-1``, and the others in ``closed``.
+
+    Closing twice is harmless (the two parts never share an offset). Rows
+    closed in order, as runs, only move ``prefix``: no set entry per row.
+    Two progresses are equal when they close the same offsets, however held.
+    """
+
     size: int
     start: ScheduleState
-    closed: set[int] = field(default_factory=set)  # offsets: closing twice is harmless
+    closed: set[int] = field(default_factory=set)
+    prefix: int = 0
+
+    def count(self) -> int:
+        """How many distinct offsets are closed."""
+        return self.prefix + len(self.closed)
+
+    def offsets(self) -> set[int]:
+        """Every closed offset."""
+        return set(range(self.prefix)) | self.closed
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _ChunkProgress):
+            return NotImplemented
+        return ((self.size, self.start) == (other.size, other.start)
+                and self.offsets() == other.offsets())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def add(self, offset: int) -> bool:
+        """Close one offset; False if it was closed already."""
+        if 0 <= offset < self.prefix or offset in self.closed:
+            return False
+        self.closed.add(offset)
+        return True
+
+    def add_many(self, offsets: list[int]) -> None:
+        """Close several offsets."""
+        prefix = self.prefix
+        if prefix and offsets and min(offsets) < prefix:
+            offsets = [o for o in offsets if not 0 <= o < prefix]
+        self.closed.update(offsets)
+
+    def add_run(self, start: int, stop: int) -> None:
+        """Close the offsets ``start..stop-1``."""
+        prefix = self.prefix
+        if 0 <= start <= prefix:
+            if stop > prefix:
+                if self.closed:
+                    self.closed.difference_update(range(prefix, stop))
+                self.prefix = stop
+            return
+        if start < 0:
+            self.closed.update(range(start, min(stop, 0)))
+        self.closed.update(range(max(start, prefix), stop))
 
 
 @dataclass
@@ -139,10 +190,9 @@ class LaneProgress:
         if self.flush_every:
             return
         info = self.chunks.get(chunk_id)
-        if info is None or offset in info.closed:  # forgotten, or closed already
+        if info is None or not info.add(offset):  # forgotten, or closed already
             return
-        info.closed.add(offset)
-        if len(info.closed) == info.size:
+        if info.count() == info.size:
             self.incomplete.pop(chunk_id, None)
             self._advance_by_closures()
 
@@ -153,8 +203,20 @@ class LaneProgress:
         info = self.chunks.get(chunk_id)
         if info is None:
             return
-        info.closed.update(offsets)
-        if len(info.closed) == info.size:
+        info.add_many(offsets)
+        if info.count() == info.size:
+            self.incomplete.pop(chunk_id, None)
+            self._advance_by_closures()
+
+    def close_range(self, chunk_id: int, start: int, stop: int) -> None:
+        """:meth:`close_many` for the offsets ``start..stop-1`` of one chunk."""
+        if self.flush_every:
+            return
+        info = self.chunks.get(chunk_id)
+        if info is None:
+            return
+        info.add_run(start, stop)
+        if info.count() == info.size:
             self.incomplete.pop(chunk_id, None)
             self._advance_by_closures()
 
@@ -359,7 +421,10 @@ class Accounting:
             key = first // k if k else first
             counts[key] = counts.get(key, 0) + n
             if not k:
-                lane.close_many(first, offsets)
+                if rows.consecutive:  # offsets[start] + 0, 1, 2, ...
+                    lane.close_range(first, offsets[0], offsets[0] + n)
+                else:
+                    lane.close_many(first, offsets)
         elif k:
             for chunk_id in chunks:
                 epoch = chunk_id // k
@@ -383,7 +448,24 @@ class Accounting:
                 add((lane_id, chunk_id, offset))
 
     def delivered_batches(self, lane_id: int, batches: Sequence[Any]) -> None:
-        """Batches of ``lane_id`` the caller received, in order (:meth:`delivered` each)."""
+        """Batches of ``lane_id`` the caller received, in order: :meth:`delivered` each.
+
+        Block batches whose rows close only themselves (no contributors) are
+        counted together, as the rows of one block received as that many
+        items: the books end exactly where one call per batch leaves them.
+        """
+        if len(batches) > 1 and all(type(b) is BlockBatch and b.block.contributors is None
+                                    and b.block.lane == lane_id for b in batches):
+            blocks = [b.block for b in batches]
+            ids = np.concatenate([block.ids for block in blocks])
+            last = blocks[-1]
+            lineage = None
+            if last.lineage is not None:  # only the last row's lineage is read (the cursor)
+                lineage = [()] * (len(ids) - len(last)) + list(last.lineage)
+            rows = Block(lane_id, ids, payloads=[None] * len(ids), lineage=lineage)
+            self.lanes[lane_id].samples_delivered += self._rows_received(
+                rows, outputs=len(batches))
+            return
         for batch in batches:
             self.delivered(lane_id, batch)
 

@@ -547,7 +547,14 @@ class Block:
 
     def with_payloads(self, payloads: list[Any]) -> Block:
         """The same rows with new payload objects (one per row)."""
-        return self._replace(payloads=payloads, fields=None)
+        # Slot by slot, not through the keyword constructor: a map stage calls this
+        # once per block, and nothing else changes.
+        out = object.__new__(Block)
+        for name in _SHARED:
+            setattr(out, name, getattr(self, name))
+        out.payloads = payloads
+        out.fields = None
+        return out
 
     def with_fields(self, fields: dict[str, Any]) -> Block:
         """The same rows with new payload columns."""
@@ -661,23 +668,30 @@ class Block:
         if start == 0 and stop >= len(self):
             return self
         cut = slice(start, stop)
-        return Block(
-            self.lane, self.ids[cut],
-            payloads=None if self.payloads is None else self.payloads[cut],
-            fields=None if self.fields is None else
-            {k: _column_slice(c, start, stop) for k, c in self.fields.items()},
-            lineage=None if self.lineage is None else self.lineage[cut],
-            component=None if self.component is None else self.component[cut],
-            counts=None if self.counts is None else self.counts[cut],
-            token_counts=None if self.token_counts is None else self.token_counts[cut],
-            tomb=None if self.tomb is None else self.tomb[cut],
-            reason=None if self.reason is None else self.reason[cut],
-            detail=None if self.detail is None else self.detail[cut],
-            contributors=None if self.contributors is None
-            else self.contributors.slice(start, stop),
-            packing=None if self.packing is None else self.packing[cut],
-            extra=None if self.extra is None else self.extra[cut],
-        )
+        # Filled slot by slot: a batch is a slice of its block, and this is cheaper
+        # than the keyword constructor (what it checks holds for a slice already).
+        out = object.__new__(Block)
+        out.lane = self.lane
+        out.ids = self.ids[cut]
+        out.payloads = None if self.payloads is None else self.payloads[cut]
+        out.fields = None if self.fields is None else {
+            k: _column_slice(c, start, stop) for k, c in self.fields.items()}
+        out.lineage = None if self.lineage is None else self.lineage[cut]
+        out.component = None if self.component is None else self.component[cut]
+        out.counts = None if self.counts is None else self.counts[cut]
+        out.token_counts = None if self.token_counts is None else self.token_counts[cut]
+        tomb = None if self.tomb is None else self.tomb[cut]
+        if tomb is not None and tomb.any():
+            out.tomb = tomb
+            out.reason = None if self.reason is None else self.reason[cut]
+            out.detail = None if self.detail is None else self.detail[cut]
+        else:
+            out.tomb = out.reason = out.detail = None
+        out.contributors = (None if self.contributors is None
+                            else self.contributors.slice(start, stop))
+        out.packing = None if self.packing is None else self.packing[cut]
+        out.extra = None if self.extra is None else self.extra[cut]
+        return out
 
     def take(self, index: Sequence[int] | np.ndarray) -> Block:
         """The rows ``index``, in that order."""
@@ -905,6 +919,9 @@ class Block:
 
 _STATE = ("payloads", "fields", "lineage", "component", "counts", "token_counts", "tomb",
           "reason", "detail", "contributors", "packing", "extra")
+#: What :meth:`Block.with_payloads` keeps.
+_SHARED = ("lane", "ids", "lineage", "component", "counts", "token_counts", "tomb", "reason",
+           "detail", "contributors", "packing", "extra")
 
 
 def _gather_arrays(blocks: list[Block], groups: np.ndarray, owner: np.ndarray,
@@ -1036,15 +1053,21 @@ class PlainRows:
             packing metadata, other tags).
     """
 
-    __slots__ = ("columns", "counts", "lane", "lineage", "payloads", "single_chunk",
-                 "token_counts")
+    __slots__ = ("columns", "consecutive", "counts", "lane", "lineage", "payloads",
+                 "single_chunk", "token_counts")
 
     def __init__(self, block: Block) -> None:
         if not block._plain():
             raise ValueError("PlainRows holds rows without tags; this block has tagged rows")
         self.lane = block.lane
-        #: dataset, shard, local id, chunk id, offset: one list each.
-        self.columns: list[list[int]] = block.ids.T.tolist()
+        ids = block.ids
+        n = len(ids)
+        #: dataset, shard, local id, chunk id, offset: one list each (a column of one
+        #: value, as dataset, shard and chunk usually are, shares that one int).
+        self.columns: list[list[int]] = [
+            [int(column[0])] * n if n and column[0] == column[-1]
+            and bool((column == column[0]).all()) else column.tolist()
+            for column in ids.T]
         self.counts = block._counts_list()
         self.payloads = block.payloads if block.payloads is not None else block.payload_list()
         self.token_counts = block.token_counts
@@ -1053,6 +1076,11 @@ class PlainRows:
         #: Every row is of one chunk (the usual block).
         self.single_chunk = len(chunks) == 0 or (
             chunks[0] == chunks[-1] and bool((chunks == chunks[0]).all()))
+        offsets = block.ids[:, ID_OFFSET]
+        #: The rows' offsets go up one at a time (a chunk's rows in order, none left out).
+        self.consecutive = len(offsets) < 2 or (
+            offsets[-1] - offsets[0] == len(offsets) - 1
+            and bool((offsets[1:] - offsets[:-1] == 1).all()))
 
     def __len__(self) -> int:
         return len(self.counts)

@@ -480,7 +480,6 @@ def records_from_columns(
     means the defaults for every row. For the block layer and the consumer,
     which make records a block (or a slice of an interleave) at a time.
     """
-    new = object.__new__
     meta_type, record_type = SampleMeta, SampleRecord
     out: list[SampleRecord] = []
     append = out.append
@@ -488,7 +487,7 @@ def records_from_columns(
         dataset, shard, local, chunk, offset = columns
         for lane, d, s, loc, c, o, cnt, payload in zip(lanes, dataset, shard, local, chunk,
                                                        offset, counts, payloads):
-            m = new(_MetaDraft)
+            m = _MetaDraft()
             m.sample_id = (d, s, loc)
             m.lane_id = lane
             m.chunk_id = c
@@ -498,7 +497,7 @@ def records_from_columns(
             m.lineage = ()
             m.tags = _NO_TAGS
             m.__class__ = meta_type  # type: ignore[assignment]
-            r = new(_RecordDraft)
+            r = _RecordDraft()
             r.meta = m
             r.payload = payload
             r.__class__ = record_type  # type: ignore[assignment]
@@ -506,7 +505,7 @@ def records_from_columns(
         return out  # type: ignore[return-value]
     metas = metas_from_columns(lanes, columns, counts, token_counts, lineage, tags)
     for m, payload in zip(metas, payloads):
-        r = new(_RecordDraft)
+        r = _RecordDraft()
         r.meta = m
         r.payload = payload
         r.__class__ = record_type  # type: ignore[assignment]
@@ -523,7 +522,6 @@ def metas_from_columns(
     tags: Sequence[dict[str, Any] | None] | None = None,
 ) -> list[SampleMeta]:
     """The metas of :func:`records_from_columns`, without records."""
-    new = object.__new__
     meta_type = SampleMeta
     n = len(counts)
     tokens = token_counts if token_counts is not None else repeat(None, n)
@@ -533,7 +531,7 @@ def metas_from_columns(
     append = out.append
     for lane, d, s, loc, c, o, cnt, tc, lin, tg in zip(lanes, *columns, counts, tokens, paths,
                                                        marks):
-        m = new(_MetaDraft)
+        m = _MetaDraft()
         m.sample_id = (d, s, loc)
         m.lane_id = lane
         m.chunk_id = c

@@ -1037,6 +1037,9 @@ def blocks_from_records(records: Iterable[SampleRecord]) -> list[Block]:
 
 # --------------------------------------------------------------------------- plain rows
 
+#: :class:`PlainRows`: a column whose rows hold different values.
+MIXED: Any = type("Mixed", (), {"__repr__": lambda self: "MIXED", "__slots__": ()})()
+
 
 class PlainRows:
     """The rows of a block without tags, unpacked once into Python lists.
@@ -1054,33 +1057,41 @@ class PlainRows:
     """
 
     __slots__ = ("columns", "consecutive", "counts", "lane", "lineage", "payloads",
-                 "single_chunk", "token_counts")
+                 "single_chunk", "token_counts", "uniform", "uniform_counts")
 
     def __init__(self, block: Block) -> None:
         if not block._plain():
             raise ValueError("PlainRows holds rows without tags; this block has tagged rows")
         self.lane = block.lane
-        ids = block.ids
-        n = len(ids)
+        columns = block.ids.T.copy()  # rows of one column each, contiguous
+        n = len(block.ids)
+        low = columns.min(axis=1).tolist() if n else [0] * 5
+        high = columns.max(axis=1).tolist() if n else [0] * 5
         #: dataset, shard, local id, chunk id, offset: one list each (a column of one
         #: value, as dataset, shard and chunk usually are, shares that one int).
         self.columns: list[list[int]] = [
-            [int(column[0])] * n if n and column[0] == column[-1]
-            and bool((column == column[0]).all()) else column.tolist()
-            for column in ids.T]
-        self.counts = block._counts_list()
+            [low[k]] * n if low[k] == high[k] else columns[k].tolist() for k in range(5)]
+        #: Per id column, its one value, or :data:`MIXED` when rows differ.
+        self.uniform: list[Any] = [low[k] if low[k] == high[k] else MIXED for k in range(5)]
+        #: The counts object every row shares (the usual one-component block), or MIXED.
+        self.uniform_counts: Any = MIXED
+        component = block.component
+        if block.counts is None and component is None:
+            self.uniform_counts = _NO_COUNTS
+        elif block.counts is None and n and component[0] == component[-1] \
+                and bool((component == component[0]).all()):
+            self.uniform_counts = _unit_counts(int(component[0]))
+        self.counts = (block._counts_list() if self.uniform_counts is MIXED
+                       else [self.uniform_counts] * n)
         self.payloads = block.payloads if block.payloads is not None else block.payload_list()
         self.token_counts = block.token_counts
         self.lineage = block.lineage
-        chunks = block.ids[:, ID_CHUNK]
         #: Every row is of one chunk (the usual block).
-        self.single_chunk = len(chunks) == 0 or (
-            chunks[0] == chunks[-1] and bool((chunks == chunks[0]).all()))
-        offsets = block.ids[:, ID_OFFSET]
+        self.single_chunk = low[ID_CHUNK] == high[ID_CHUNK]
         #: The rows' offsets go up one at a time (a chunk's rows in order, none left out).
-        self.consecutive = len(offsets) < 2 or (
-            offsets[-1] - offsets[0] == len(offsets) - 1
-            and bool((offsets[1:] - offsets[:-1] == 1).all()))
+        self.consecutive = n < 2 or (
+            high[ID_OFFSET] - low[ID_OFFSET] == n - 1
+            and bool((np.diff(columns[ID_OFFSET]) == 1).all()))
 
     def __len__(self) -> int:
         return len(self.counts)

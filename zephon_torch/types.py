@@ -471,9 +471,10 @@ def records_from_columns(
 ) -> list[SampleRecord]:
     """Records built in one sweep over columns, equal to ``SampleRecord(SampleMeta(...), p)``.
 
-    ``columns`` holds five equally long columns: dataset, shard and local id
-    (the ``sample_id``), ``chunk_id`` and ``chunk_offset``; ``lanes`` the
-    lane of each row (``itertools.repeat(lane)`` for one lane). Row ``i``
+    ``columns`` holds five columns: dataset, shard and local id (the
+    ``sample_id``), ``chunk_id`` and ``chunk_offset``; ``lanes`` the lane of
+    each row. Any of them may be an endless ``itertools.repeat`` of one value
+    (the rows end with the shortest). Row ``i``
     becomes ``SampleRecord(SampleMeta(sample_id, lanes[i], chunk_id,
     chunk_offset, counts[i], token_counts[i], lineage[i], tags[i]),
     payloads[i])``; ``None`` for ``token_counts``, ``lineage`` or ``tags``
@@ -523,10 +524,9 @@ def metas_from_columns(
 ) -> list[SampleMeta]:
     """The metas of :func:`records_from_columns`, without records."""
     meta_type = SampleMeta
-    n = len(counts)
-    tokens = token_counts if token_counts is not None else repeat(None, n)
-    paths = lineage if lineage is not None else repeat((), n)
-    marks = tags if tags is not None else repeat(None, n)
+    tokens = token_counts if token_counts is not None else repeat(None)
+    paths = lineage if lineage is not None else repeat(())
+    marks = tags if tags is not None else repeat(None)
     out: list[SampleMeta] = []
     append = out.append
     for lane, d, s, loc, c, o, cnt, tc, lin, tg in zip(lanes, *columns, counts, tokens, paths,

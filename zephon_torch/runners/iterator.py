@@ -33,14 +33,14 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from itertools import chain
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zephon_torch import logs
 from zephon_torch.accounting import Accounting, Throughput
-from zephon_torch.block import Block, BlockBatch, PlainRows, Sentinel
+from zephon_torch.block import MIXED, Block, BlockBatch, PlainRows, Sentinel
 from zephon_torch.checkpoint import fingerprint_parts, refuse_nondeterministic
 from zephon_torch.epochs import check_epoch, check_state_epoch, epoch_pipeline
 from zephon_torch.logs import log_end, log_resume, log_skips, log_start, log_throughput
@@ -134,42 +134,56 @@ def _record_slices(plan: _Interleave, takes: list[int]) -> Iterator[Iterator[Sam
     """The records of an interleave of block rows, made a slice at a time.
 
     The rows' columns are laid out in round-robin order at once (slice
-    assignments, no work per row); records are made :data:`_RECORD_SLICE`
-    at a time as the caller reaches them, so that few are alive at once.
-    Runs on the iterating thread, without the lock: it reads only what the
-    plan fixed, and publishes the slice being consumed in ``plan.cursor``.
+    assignments, no work per row; a column of one value in every served run,
+    as the dataset, the shard and the counts usually are, is not laid out but
+    repeated); records are made :data:`_RECORD_SLICE` at a time as the
+    caller reaches them, so that few are alive at once. Runs on the
+    iterating thread, without the lock: it reads only what the plan fixed,
+    and publishes the slice being consumed in ``plan.cursor``.
     """
     served, total = plan.served, plan.total
     width = len(served)
-    lanes: list[int] = [0] * total
-    columns = [[0] * total for _ in range(5)]
-    counts: list[Any] = [None] * total
-    payloads: list[Any] = [None] * total
-    with_tokens = any(run.rows.token_counts is not None for _, _, run in served)  # type: ignore[union-attr]
-    with_lineage = any(run.rows.lineage is not None for _, _, run in served)  # type: ignore[union-attr]
-    tokens: list[Any] | None = [None] * total if with_tokens else None
-    lineage: list[Any] | None = [()] * total if with_lineage else None
-    for j, (_, lane, run) in enumerate(served):
-        take = takes[j]
-        if not take:
-            continue
-        rows: PlainRows = run.rows  # type: ignore[assignment]
-        cut = slice(run.pos, run.pos + take)
-        at = slice(j, None, width)
-        lanes[at] = [lane] * take
-        for column, source in zip(columns, rows.columns):
-            column[at] = source[cut]
-        counts[at] = rows.counts[cut]
-        payloads[at] = rows.payloads[cut]
-        if tokens is not None and rows.token_counts is not None:
-            tokens[at] = rows.token_counts[cut]
-        if lineage is not None and rows.lineage is not None:
-            lineage[at] = rows.lineage[cut]
+    runs: list[tuple[int, PlainRows, slice, slice]] = [
+        (takes[j], run.rows, slice(run.pos, run.pos + takes[j]), slice(j, None, width))  # type: ignore[misc]
+        for j, (_, _, run) in enumerate(served) if takes[j]]
+
+    def laid_out(values: Any, column: Any) -> Any:
+        """One field in round-robin order: ``values`` of one run at a time, or the one
+        value every run has (``column(rows)`` gives a run's values; ``values(rows)``
+        its one value, or MIXED)."""
+        shared = {id(v): v for v in (values(rows) for _, rows, _, _ in runs)}
+        if len(shared) == 1:
+            (value,) = shared.values()
+            if value is not MIXED:
+                return repeat(value)
+        out: list[Any] = [None] * total
+        for take, rows, cut, at in runs:
+            value = values(rows)
+            out[at] = [value] * take if value is not MIXED else column(rows)[cut]
+        return out
+
+    lanes = laid_out(lambda rows: rows.lane, None)
+    columns = [laid_out(lambda rows, k=k: rows.uniform[k], lambda rows, k=k: rows.columns[k])
+               for k in range(5)]
+    counts = laid_out(lambda rows: rows.uniform_counts, lambda rows: rows.counts)
+    payloads = laid_out(lambda rows: MIXED, lambda rows: rows.payloads)
+    tokens = lineage = None
+    if any(rows.token_counts is not None for _, rows, _, _ in runs):
+        tokens = laid_out(lambda rows: None if rows.token_counts is None else MIXED,
+                          lambda rows: rows.token_counts)
+    if any(rows.lineage is not None for _, rows, _, _ in runs):
+        lineage = laid_out(lambda rows: () if rows.lineage is None else MIXED,
+                           lambda rows: rows.lineage)
+
+    def part(field: Any, cut: slice) -> Any:
+        return field if type(field) is repeat else field[cut]
+
     for start in range(0, total, _RECORD_SLICE):
         cut = slice(start, start + _RECORD_SLICE)
         records = records_from_columns(
-            lanes[cut], [column[cut] for column in columns], counts[cut], payloads[cut],
-            None if tokens is None else tokens[cut], None if lineage is None else lineage[cut])
+            part(lanes, cut), [part(column, cut) for column in columns], part(counts, cut),
+            payloads[cut], None if tokens is None else part(tokens, cut),
+            None if lineage is None else part(lineage, cut))
         items = iter(records)
         plan.cursor = (start, items, len(records))
         yield items

@@ -412,20 +412,26 @@ class Accounting:
             return
         lane = self.lanes[lane_id]
         lane.samples_delivered += n
-        chunks = rows.chunk_ids[start:stop]
-        offsets = rows.offsets[start:stop]
         k = self.flush_every
         counts = lane.delivered_in_epoch
         if rows.single_chunk:
-            first = chunks[0]
+            first, offset = rows.ids[start, ID_CHUNK:].tolist()
             key = first // k if k else first
             counts[key] = counts.get(key, 0) + n
             if not k:
-                if rows.consecutive:  # offsets[start] + 0, 1, 2, ...
-                    lane.close_range(first, offsets[0], offsets[0] + n)
+                if rows.consecutive:  # offset, offset + 1, offset + 2, ...
+                    lane.close_range(first, offset, offset + n)
                 else:
-                    lane.close_many(first, offsets)
-        elif k:
+                    lane.close_many(first, rows.offsets(start, stop))
+            if self.samples is not None:
+                self.samples.add_arrays(lane_id, rows.ids[start:stop, ID_CHUNK],
+                                        rows.ids[start:stop, ID_OFFSET])
+            lane.cursor = rows.cursor_key(stop - 1)
+            lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
+            lane.outputs += n
+            return
+        chunks, offsets = rows.chunk_ids(start, stop), rows.offsets(start, stop)
+        if k:
             for chunk_id in chunks:
                 epoch = chunk_id // k
                 counts[epoch] = counts.get(epoch, 0) + 1

@@ -1042,37 +1042,29 @@ MIXED: Any = type("Mixed", (), {"__repr__": lambda self: "MIXED", "__slots__": (
 
 
 class PlainRows:
-    """The rows of a block without tags, unpacked once into Python lists.
+    """The rows of a block without tags, ready to be handed out a few at a time.
 
-    What the consumer needs of a block of plain data rows that it hands out
-    a few at a time: the records of any range of rows (built only when asked
-    for) and, for the books, the rows' chunk ids, offsets and cursor keys,
-    read without a numpy call each time. A handful of lists per block, not
-    an object per row, so that rows waiting in a queue cost the garbage
-    collector nothing.
+    What the consumer needs of a block of plain data rows: the records of
+    any range of rows (built only when asked for) and, for the books, the
+    rows' chunk ids, offsets and cursor keys. The ids stay one numpy array;
+    the per-row Python objects (counts, payloads, lineage) are the block's
+    own lists, so that rows waiting in a queue cost the garbage collector
+    nothing.
 
     Raises:
         ValueError: The block has rows with tags (tombstones, contributors,
             packing metadata, other tags).
     """
 
-    __slots__ = ("columns", "consecutive", "counts", "lane", "lineage", "payloads",
-                 "single_chunk", "token_counts", "uniform", "uniform_counts")
+    __slots__ = ("consecutive", "counts", "ids", "lane", "lineage", "payloads", "single_chunk",
+                 "token_counts", "uniform_counts")
 
     def __init__(self, block: Block) -> None:
         if not block._plain():
             raise ValueError("PlainRows holds rows without tags; this block has tagged rows")
         self.lane = block.lane
-        columns = block.ids.T.copy()  # rows of one column each, contiguous
-        n = len(block.ids)
-        low = columns.min(axis=1).tolist() if n else [0] * 5
-        high = columns.max(axis=1).tolist() if n else [0] * 5
-        #: dataset, shard, local id, chunk id, offset: one list each (a column of one
-        #: value, as dataset, shard and chunk usually are, shares that one int).
-        self.columns: list[list[int]] = [
-            [low[k]] * n if low[k] == high[k] else columns[k].tolist() for k in range(5)]
-        #: Per id column, its one value, or :data:`MIXED` when rows differ.
-        self.uniform: list[Any] = [low[k] if low[k] == high[k] else MIXED for k in range(5)]
+        ids = self.ids = block.ids
+        n = len(ids)
         #: The counts object every row shares (the usual one-component block), or MIXED.
         self.uniform_counts: Any = MIXED
         component = block.component
@@ -1086,39 +1078,37 @@ class PlainRows:
         self.payloads = block.payloads if block.payloads is not None else block.payload_list()
         self.token_counts = block.token_counts
         self.lineage = block.lineage
+        chunks, offsets = ids[:, ID_CHUNK], ids[:, ID_OFFSET]
         #: Every row is of one chunk (the usual block).
-        self.single_chunk = low[ID_CHUNK] == high[ID_CHUNK]
+        self.single_chunk = n < 2 or (chunks[0] == chunks[-1]
+                                      and bool((chunks == chunks[0]).all()))
         #: The rows' offsets go up one at a time (a chunk's rows in order, none left out).
-        self.consecutive = n < 2 or (
-            high[ID_OFFSET] - low[ID_OFFSET] == n - 1
-            and bool((np.diff(columns[ID_OFFSET]) == 1).all()))
+        self.consecutive = n < 2 or (offsets[-1] - offsets[0] == n - 1
+                                     and bool((np.diff(offsets) == 1).all()))
 
     def __len__(self) -> int:
         return len(self.counts)
 
-    @property
-    def chunk_ids(self) -> list[int]:
-        """The ``chunk_id`` of every row."""
-        return self.columns[ID_CHUNK]
+    def chunk_ids(self, start: int, stop: int) -> list[int]:
+        """The ``chunk_id`` of rows ``start..stop-1``."""
+        return self.ids[start:stop, ID_CHUNK].tolist()
 
-    @property
-    def offsets(self) -> list[int]:
-        """The ``chunk_offset`` of every row."""
-        return self.columns[ID_OFFSET]
+    def offsets(self, start: int, stop: int) -> list[int]:
+        """The ``chunk_offset`` of rows ``start..stop-1``."""
+        return self.ids[start:stop, ID_OFFSET].tolist()
 
     def records(self, start: int, stop: int) -> list[SampleRecord]:
         """Rows ``start..stop-1`` as records (what ``Block.records()`` gives for them)."""
         cut = slice(start, stop)
         tokens, lineage = self.token_counts, self.lineage
         return records_from_columns(
-            itertools.repeat(self.lane), [column[cut] for column in self.columns],
-            self.counts[cut],
+            itertools.repeat(self.lane), self.ids[cut].T.tolist(), self.counts[cut],
             self.payloads[cut], None if tokens is None else tokens[cut],
             None if lineage is None else lineage[cut])
 
     def cursor_key(self, i: int) -> tuple[int, int, tuple[int, ...], tuple[int, int, int]]:
         """Row ``i``'s cursor key ``(chunk_id, chunk_offset, lineage, sample_id)``."""
-        d, s, loc, c, o = (column[i] for column in self.columns)
+        d, s, loc, c, o = self.ids[i].tolist()
         return (c, o, self.lineage[i] if self.lineage is not None else (), (d, s, loc))
 
 

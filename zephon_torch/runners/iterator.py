@@ -133,11 +133,11 @@ class _Interleave:
 def _record_slices(plan: _Interleave, takes: list[int]) -> Iterator[Iterator[SampleRecord]]:
     """The records of an interleave of block rows, made a slice at a time.
 
-    The rows' columns are laid out in round-robin order at once (slice
-    assignments, no work per row; a column of one value in every served run,
-    as the dataset, the shard and the counts usually are, is not laid out but
-    repeated); records are made :data:`_RECORD_SLICE` at a time as the
-    caller reaches them, so that few are alive at once. Runs on the
+    The rows are laid out in round-robin order at once: their ids (and
+    lanes) in one numpy array, the other fields by list slice assignment (a
+    field of one object in every served run, as the counts usually are, is
+    repeated instead). Records are made :data:`_RECORD_SLICE` at a time as
+    the caller reaches them, so that few are alive at once. Runs on the
     iterating thread, without the lock: it reads only what the plan fixed,
     and publishes the slice being consumed in ``plan.cursor``.
     """
@@ -146,11 +146,14 @@ def _record_slices(plan: _Interleave, takes: list[int]) -> Iterator[Iterator[Sam
     runs: list[tuple[int, PlainRows, slice, slice]] = [
         (takes[j], run.rows, slice(run.pos, run.pos + takes[j]), slice(j, None, width))  # type: ignore[misc]
         for j, (_, _, run) in enumerate(served) if takes[j]]
+    ids = np.empty((total, 6), dtype=np.int64)  # lane, then the five id columns
+    for _, rows, cut, at in runs:
+        ids[at, 0] = rows.lane
+        ids[at, 1:] = rows.ids[cut]
 
     def laid_out(values: Any, column: Any) -> Any:
-        """One field in round-robin order: ``values`` of one run at a time, or the one
-        value every run has (``column(rows)`` gives a run's values; ``values(rows)``
-        its one value, or MIXED)."""
+        """One field in round-robin order, or an endless repeat of the one object every
+        run has (``values(rows)``: that object, or MIXED; ``column(rows)``: the list)."""
         shared = {id(v): v for v in (values(rows) for _, rows, _, _ in runs)}
         if len(shared) == 1:
             (value,) = shared.values()
@@ -162,9 +165,6 @@ def _record_slices(plan: _Interleave, takes: list[int]) -> Iterator[Iterator[Sam
             out[at] = [value] * take if value is not MIXED else column(rows)[cut]
         return out
 
-    lanes = laid_out(lambda rows: rows.lane, None)
-    columns = [laid_out(lambda rows, k=k: rows.uniform[k], lambda rows, k=k: rows.columns[k])
-               for k in range(5)]
     counts = laid_out(lambda rows: rows.uniform_counts, lambda rows: rows.counts)
     payloads = laid_out(lambda rows: MIXED, lambda rows: rows.payloads)
     tokens = lineage = None
@@ -180,9 +180,10 @@ def _record_slices(plan: _Interleave, takes: list[int]) -> Iterator[Iterator[Sam
 
     for start in range(0, total, _RECORD_SLICE):
         cut = slice(start, start + _RECORD_SLICE)
+        lanes, *columns = ids[cut].T.tolist()
         records = records_from_columns(
-            part(lanes, cut), [part(column, cut) for column in columns], part(counts, cut),
-            payloads[cut], None if tokens is None else part(tokens, cut),
+            lanes, columns, part(counts, cut), payloads[cut],
+            None if tokens is None else part(tokens, cut),
             None if lineage is None else part(lineage, cut))
         items = iter(records)
         plan.cursor = (start, items, len(records))

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon_torch.block import ID_CHUNK, ID_OFFSET, Block, BlockBatch, PlainRows
+from zephon_torch.sources.base import Dataset
 from zephon_torch.types import SampleBatch, SampleRecord
 from zephon_torch.vocab import (
     TOMBSTONE_DETAIL_TAG,
@@ -329,6 +330,9 @@ class Accounting:
         self.flush_every = flush_every
         self.lanes = {lane: LaneProgress(lane, flush_every) for lane in lanes}
         self.datasets = list(datasets)
+        # Whether any dataset says what its samples occupy (Dataset.sample_bytes is 0).
+        self._stored = any(getattr(type(d), "sample_bytes", None) is not Dataset.sample_bytes
+                           for d in self.datasets)
         #: With ``verify=True``, every closed sample; else None.
         self.samples: SampleBook | None = SampleBook() if verify else None
         #: The first bad samples (``_KEEP_BAD``): ``(reason, sample_id, detail)``.
@@ -351,7 +355,7 @@ class Accounting:
         run)."""
         dataset_ids, shard_ids, local_ids = chunk.dataset_ids, chunk.shard_ids, chunk.local_ids
         n = len(local_ids)
-        if not n or not self.datasets:
+        if not n or not self._stored:  # in-memory data occupies no storage
             return 0
         # Runs of one (dataset, shard): a chunk usually holds one or a few.
         change = np.flatnonzero((dataset_ids[1:] != dataset_ids[:-1])
@@ -606,7 +610,12 @@ class Accounting:
             epoch = first // k if k else first
             per_epoch[epoch] = per_epoch.get(epoch, 0) + n
             if not k:
-                lane.close_many(first, ids[:, ID_OFFSET].tolist())
+                offsets = ids[:, ID_OFFSET]
+                low = int(offsets[0])
+                if int(offsets[-1]) - low == n - 1 and bool((np.diff(offsets) == 1).all()):
+                    lane.close_range(first, low, low + n)  # rows in order, none left out
+                else:
+                    lane.close_many(first, offsets.tolist())
             if self.samples is not None:
                 self.samples.add_arrays(block.lane, chunk_ids, ids[:, ID_OFFSET])
             closes = n

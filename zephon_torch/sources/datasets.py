@@ -42,7 +42,7 @@ import posixpath
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import pairwise, repeat
+from itertools import pairwise
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -77,6 +77,7 @@ from zephon_torch.sources.readers import (
     read_lines_at,
     stat_file,
 )
+from zephon_torch.vocab import texts_present
 
 __all__ = [
     "ItemsDataset",
@@ -250,14 +251,14 @@ class ItemsDataset(Dataset):
 
     def read(self, shard_id: int, local_ids: Sequence[int]) -> list[Any]:
         """The payloads of ``local_ids`` (dicts are the caller's own objects)."""
-        return self.read_texts(shard_id, local_ids)[0]
+        return self.read_checked(shard_id, local_ids)[0]
 
-    def read_texts(self, shard_id: int, local_ids: Sequence[int]
-                   ) -> tuple[list[Any], list[Any] | None]:
-        """:meth:`read`, and when every payload is a dict, their ``"text"`` values.
+    def read_checked(self, shard_id: int, local_ids: Sequence[int]) -> tuple[list[Any], bool]:
+        """:meth:`read`, and whether every payload is a dict with a non-blank text.
 
-        The source's emptiness check (``vocab.empty_text_rows``) takes the
-        texts from here instead of looking them up again.
+        When it is (``vocab.texts_present``, one sweep), no item needed
+        wrapping and no row is an empty text: the source's emptiness check has
+        nothing to look for.
         """
         if shard_id != 0:
             raise IndexError(f"{self.name}: shard {shard_id} does not exist (1 shard)")
@@ -268,10 +269,9 @@ class ItemsDataset(Dataset):
                 out = list(map(items.__getitem__, local_ids))
         else:
             out = list(map(items.__getitem__, local_ids))
-        try:  # dict.get takes dicts only: when it takes them all, no str needs wrapping
-            return out, list(map(dict.get, out, repeat("text")))
-        except TypeError:
-            return [{"text": item} if isinstance(item, str) else item for item in out], None
+        if texts_present(out):  # all dicts: no str to wrap
+            return out, True
+        return [{"text": item} if isinstance(item, str) else item for item in out], False
 
     def stream(self, shard_id: int) -> Iterator[Any]:
         """The payloads in order."""

@@ -10,11 +10,28 @@ the worker count or the micro-batch sizes.
 
 This module is the consumer loop: it pumps the engine, routes what comes out
 to per-lane queues, hands items over and reports each event once to the
-run's books (``accounting.py``). Control records never reach the caller:
-tombstones and flush sentinels are accounted there (every input sample is
-either delivered inside some output or closed by a tombstone) and dropped.
-Saving and loading a position (``state_dict``/``load_state_dict``) go
-through ``resume.py``.
+run's books (``accounting.py``).
+
+Hand-over. A lane's plain data rows (or block batches) wait in its queue as
+one *run*. When the lane at the round-robin position starts with a run, the
+runs at the heads of the lanes are laid out in round-robin order, up to the
+first lane that would need anything else (a pump, a batch, a sentinel):
+exactly the items that ``next()`` one at a time would hand over, in that
+order. ``__next__`` then takes them from a list iterator without a lock, and
+the books count them in bulk from how many were taken (``_settle_fast``,
+before anything reads or moves the position, ``state_dict()`` from another
+thread included). Records are made from the rows 128 at a time as they are
+reached::
+
+    lanes 0..2 hold runs of 3, 2, 4 rows (a, b, c), round-robin at lane 0
+    interleave: a0 b0 c0 a1 b1 c1 a2     (lane 1 has no third row: stop)
+    4 taken, then state_dict(): lane 0 got a0 a1, lane 1 b0, lane 2 c0;
+                                round-robin position: lane 1
+
+Control records never reach the caller: tombstones and flush sentinels are
+accounted there (every input sample is either delivered inside some output
+or closed by a tombstone) and dropped. Saving and loading a position
+(``state_dict``/``load_state_dict``) go through ``resume.py``.
 
 With ``runner="lanes"`` the engine is a :class:`~zephon_torch.runners.lanes.LaneRun`:
 worker processes run the whole pipeline of their share of the lanes and
@@ -137,9 +154,11 @@ def _record_slices(plan: _Interleave, takes: list[int]) -> Iterator[Iterator[Sam
     lanes) in one numpy array, the other fields by list slice assignment (a
     field of one object in every served run, as the counts usually are, is
     repeated instead). Records are made :data:`_RECORD_SLICE` at a time as
-    the caller reaches them, so that few are alive at once. Runs on the
-    iterating thread, without the lock: it reads only what the plan fixed,
-    and publishes the slice being consumed in ``plan.cursor``.
+    the caller reaches them, so that few are alive at once. Its first step
+    runs in :meth:`PipelineIterator._interleave`, under the lock, and reads
+    all it needs of the runs then; the later steps run on the iterating
+    thread without the lock, touch only the laid-out fields, and publish the
+    slice being consumed in ``plan.cursor``.
     """
     served, total = plan.served, plan.total
     width = len(served)
@@ -602,8 +621,8 @@ class PipelineIterator:
         if plan is None:
             return
         total = plan.total
-        before, items, size = plan.cursor  # one read: the iterating thread replaces it whole
-        taken = before + size - items.__length_hint__()  # exact for a list iterator
+        first, items, size = plan.cursor  # one read: the iterating thread replaces it whole
+        taken = first + size - items.__length_hint__()  # exact for a list iterator
         done = plan.settled
         if taken > done:
             served = plan.served

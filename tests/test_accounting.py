@@ -10,12 +10,15 @@ iterator is left untouched (never half-loaded).
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness import assert_same, collect
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zephon_torch.checkpoint import state_checksum
 from zephon_torch.checks import ConservationError, assert_conserved
@@ -244,3 +247,78 @@ def test_the_dataloader_and_the_torch_dataset_take_verify() -> None:
     broken = pipe.apply(LosesOne()).batch(2, drop_last=False)
     with pytest.raises(ConservationError, match="1 sample\\(s\\) lost"):
         list(DataLoader(broken, verify=True, to_training=False))
+
+
+# ---------------------------------------------------------------- rows counted as records
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_rows_of_a_block_are_counted_as_their_records_would_be(data: st.DataObject) -> None:
+    # The consumer counts a run of plain rows with delivered_rows (the block's
+    # columns) or delivered_plain (its records); the books must not tell them apart.
+    import numpy as np
+
+    from zephon_torch.accounting import Accounting
+    from zephon_torch.block import Block, PlainRows
+    from zephon_torch.sources.schedule import Chunk, ScheduleState
+
+    flush_every = data.draw(st.sampled_from([0, 1, 3]))
+    sizes = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=5))
+    rows = [(0, 0, 10 * c + o, c, o) for c, size in enumerate(sizes) for o in range(size)]
+    if data.draw(st.booleans()):  # rows of several chunks, not in chunk order
+        rows = data.draw(st.permutations(rows))
+    lineage = [data.draw(st.sampled_from([(), (0,), (1, 2)])) for _ in rows]
+    block = Block(2, np.array(rows, dtype=np.int64).reshape(len(rows), 5),
+                  payloads=[{"i": i} for i in range(len(rows))],
+                  component=np.zeros(len(rows), dtype=np.int64),
+                  lineage=lineage if any(lineage) else None)
+    records = block.records()
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(rows)), max_size=4))))
+    bounds = [0, *cuts, len(rows)]
+    books = []
+    for as_rows in (False, True):
+        book = Accounting([2], flush_every, verify=True)
+        for c, size in enumerate(sizes):
+            book.register(Chunk(ScheduleState(c, (0,)), 2, c, np.zeros(size, dtype=np.int64),
+                                np.zeros(size, dtype=np.int64),
+                                np.arange(size, dtype=np.int64) + 10 * c))
+        for a, b in itertools.pairwise(bounds):
+            if as_rows:
+                book.delivered_rows(2, PlainRows(block), a, b)
+            elif b > a:
+                book.delivered_plain(2, records[a:b])
+        books.append(book)
+    plain, by_rows = books
+    assert by_rows.lanes == plain.lanes
+    assert by_rows.samples.closed == plain.samples.closed
+    assert by_rows.samples.duplicates == plain.samples.duplicates
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(-3, 12)),
+    st.tuples(st.just("many"), st.lists(st.integers(-3, 12), max_size=6)),
+    st.tuples(st.just("run"), st.integers(-3, 12), st.integers(0, 6))), max_size=12))
+def test_a_chunks_closed_offsets_are_a_set_however_they_are_held(ops: list[Any]) -> None:
+    # Runs closed in order move a prefix instead of filling a set; the offsets
+    # closed, and how many, must be those of a plain set.
+    from zephon_torch.accounting import _ChunkProgress
+    from zephon_torch.sources.schedule import ScheduleState
+
+    progress = _ChunkProgress(10, ScheduleState(0, (0,)))
+    model: set[int] = set()
+    for op in ops:
+        if op[0] == "add":
+            assert progress.add(op[1]) == (op[1] not in model)
+            model.add(op[1])
+        elif op[0] == "many":
+            progress.add_many(list(op[1]))
+            model.update(op[1])
+        else:
+            start, length = op[1], op[2]
+            progress.add_run(start, start + length)
+            model.update(range(start, start + length))
+        assert progress.offsets() == model
+        assert progress.count() == len(model)
+        assert not set(range(progress.prefix)) & progress.closed

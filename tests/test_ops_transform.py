@@ -10,6 +10,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -322,3 +323,25 @@ def test_code_hash_is_the_same_in_every_process():
                                 capture_output=True, text=True)
         digests.add(result.stdout.strip())
     assert len(digests) == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=20), st.booleans())
+def test_a_map_over_a_block_drops_the_nones_its_records_would_drop(rows: list[Any],
+                                                                    drop_none: bool) -> None:
+    # Array payloads (== would refuse them), None returns, rows already tombstones.
+    import numpy as np
+
+    from zephon_torch.block import blocks_from_elements
+
+    records = []
+    for i, (kind, dead) in enumerate(rows):
+        record = SampleRecord(SampleMeta((0, 0, i), 1, 0, i, {0: 1}),
+                              np.arange(kind + 2) if kind else {"k": i})
+        records.append(tombstone(record, "filter") if dead else record)
+    op = MapTransform(lambda p: None if isinstance(p, np.ndarray) and len(p) == 3 else p,
+                      drop_none=drop_none)
+    expected = op.process_many(records)
+    got = [r for block in blocks_from_elements(records) for r in
+           op.process_block(block).records()]
+    assert got == expected

@@ -331,3 +331,60 @@ def test_batch_equality_by_record_value():
     c = SampleBatch([SampleRecord(_meta(0), {"input_ids": np.array([1, 3])})])
     assert a == b
     assert a != c
+
+
+# --------------------------------------------------------------------------- many at once
+
+_rows = st.lists(st.tuples(*[st.integers(0, 2**40)] * 5), max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=_rows, data=st.data())
+def test_records_built_in_one_sweep_are_those_the_constructors_build(rows, data):
+    import pickle
+
+    from zephon_torch.types import metas_from_columns, records_from_columns
+
+    n = len(rows)
+    counts = data.draw(st.lists(st.one_of(st.none(), st.just({0: 1}), st.dictionaries(
+        st.integers(0, 3), st.integers(1, 4), max_size=2)), min_size=n, max_size=n))
+    tokens = data.draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.just({1: 7})),
+                                                     min_size=n, max_size=n)))
+    lineage = data.draw(st.one_of(st.none(), st.lists(
+        st.lists(st.integers(0, 3), max_size=2).map(tuple), min_size=n, max_size=n)))
+    tags = data.draw(st.one_of(st.none(), st.lists(
+        st.one_of(st.none(), st.just({TOMBSTONE_TAG: True})), min_size=n, max_size=n)))
+    payloads = [{"i": i} for i in range(n)]
+    lane = data.draw(st.integers(0, 7))
+    columns = [[row[k] for row in rows] for k in range(5)]
+    lanes = [lane] * n
+    records = records_from_columns(lanes, columns, counts, payloads, tokens, lineage, tags)
+    metas = metas_from_columns(lanes, columns, counts, tokens, lineage, tags)
+    for i, ((d, s, loc, c, o), record, meta) in enumerate(zip(rows, records, metas)):
+        expected = SampleMeta((d, s, loc), lane, c, o, counts[i],
+                              None if tokens is None else tokens[i],
+                              () if lineage is None else lineage[i],
+                              None if tags is None else tags[i])
+        assert type(record) is SampleRecord and type(meta) is SampleMeta
+        assert type(record.meta) is SampleMeta
+        assert record.payload is payloads[i]
+        for got in (record.meta, meta):
+            assert got == expected and hash(got) == hash(expected)
+            for name in SampleMeta.__slots__:
+                assert getattr(got, name) == getattr(expected, name), name
+            assert type(got.tags) is type(expected.tags)  # the shared empty tags included
+            assert pickle.loads(pickle.dumps(got)) == expected
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                got.lane_id = lane + 1  # type: ignore[misc]
+        assert record == SampleRecord(expected, payloads[i])
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            record.payload = None  # type: ignore[misc]
+
+
+def test_the_drafts_have_the_layout_of_the_types_they_become():
+    from zephon_torch.types import _MetaDraft, _RecordDraft
+
+    assert _MetaDraft.__slots__ == SampleMeta.__slots__
+    assert _RecordDraft.__slots__ == SampleRecord.__slots__
+    assert [f.name for f in dataclasses.fields(SampleMeta)] == list(SampleMeta.__slots__)
+    assert [f.name for f in dataclasses.fields(SampleRecord)] == list(SampleRecord.__slots__)

@@ -16,6 +16,8 @@ The events::
 
     register(chunk)                a chunk emitted for a lane
     delivered_plain(lane, recs)    plain records the caller received, in order
+    delivered_rows(lane, rows, a, b)  the same, as rows a..b-1 of a block without tags
+    delivered_batches(lane, items) batches the caller received, in order
     delivered(lane, item)          a tagged record, a batch or a block batch received
     tombstone(lane, record)        a tombstone reached the consumer
     tombstones(block)              a block of tombstones reached the consumer
@@ -49,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon_torch.block import ID_CHUNK, Block, BlockBatch
+from zephon_torch.block import ID_CHUNK, ID_OFFSET, Block, BlockBatch, PlainRows
+from zephon_torch.sources.base import Dataset
 from zephon_torch.types import SampleBatch, SampleRecord
 from zephon_torch.vocab import (
     TOMBSTONE_DETAIL_TAG,
@@ -68,11 +71,62 @@ __all__ = ["Accounting", "LaneProgress", "ProgressTracker", "SampleBook", "Throu
 _KEEP_BAD = 20
 
 
-@dataclass
+@dataclass(eq=False)
 class _ChunkProgress:
+    """The closed offsets of a chunk: ``0..prefix-1``, and the others in ``closed``.
+
+    Closing twice is harmless (the two parts never share an offset). Rows
+    closed in order, as runs, only move ``prefix``: no set entry per row.
+    Two progresses are equal when they close the same offsets, however held.
+    """
+
     size: int
     start: ScheduleState
-    closed: set[int] = field(default_factory=set)  # offsets: closing twice is harmless
+    closed: set[int] = field(default_factory=set)
+    prefix: int = 0
+
+    def count(self) -> int:
+        """How many distinct offsets are closed."""
+        return self.prefix + len(self.closed)
+
+    def offsets(self) -> set[int]:
+        """Every closed offset."""
+        return set(range(self.prefix)) | self.closed
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _ChunkProgress):
+            return NotImplemented
+        return ((self.size, self.start) == (other.size, other.start)
+                and self.offsets() == other.offsets())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def add(self, offset: int) -> bool:
+        """Close one offset; False if it was closed already."""
+        if 0 <= offset < self.prefix or offset in self.closed:
+            return False
+        self.closed.add(offset)
+        return True
+
+    def add_many(self, offsets: list[int]) -> None:
+        """Close several offsets."""
+        prefix = self.prefix
+        if prefix and offsets and min(offsets) < prefix:
+            offsets = [o for o in offsets if not 0 <= o < prefix]
+        self.closed.update(offsets)
+
+    def add_run(self, start: int, stop: int) -> None:
+        """Close the offsets ``start..stop-1``."""
+        prefix = self.prefix
+        if 0 <= start <= prefix:
+            if stop > prefix:
+                if self.closed:
+                    self.closed.difference_update(range(prefix, stop))
+                self.prefix = stop
+            return
+        if start < 0:
+            self.closed.update(range(start, min(stop, 0)))
+        self.closed.update(range(max(start, prefix), stop))
 
 
 @dataclass
@@ -137,10 +191,9 @@ class LaneProgress:
         if self.flush_every:
             return
         info = self.chunks.get(chunk_id)
-        if info is None or offset in info.closed:  # forgotten, or closed already
+        if info is None or not info.add(offset):  # forgotten, or closed already
             return
-        info.closed.add(offset)
-        if len(info.closed) == info.size:
+        if info.count() == info.size:
             self.incomplete.pop(chunk_id, None)
             self._advance_by_closures()
 
@@ -151,8 +204,20 @@ class LaneProgress:
         info = self.chunks.get(chunk_id)
         if info is None:
             return
-        info.closed.update(offsets)
-        if len(info.closed) == info.size:
+        info.add_many(offsets)
+        if info.count() == info.size:
+            self.incomplete.pop(chunk_id, None)
+            self._advance_by_closures()
+
+    def close_range(self, chunk_id: int, start: int, stop: int) -> None:
+        """:meth:`close_many` for the offsets ``start..stop-1`` of one chunk."""
+        if self.flush_every:
+            return
+        info = self.chunks.get(chunk_id)
+        if info is None:
+            return
+        info.add_run(start, stop)
+        if info.count() == info.size:
             self.incomplete.pop(chunk_id, None)
             self._advance_by_closures()
 
@@ -265,6 +330,9 @@ class Accounting:
         self.flush_every = flush_every
         self.lanes = {lane: LaneProgress(lane, flush_every) for lane in lanes}
         self.datasets = list(datasets)
+        # Whether any dataset says what its samples occupy (Dataset.sample_bytes is 0).
+        self._stored = any(getattr(type(d), "sample_bytes", None) is not Dataset.sample_bytes
+                           for d in self.datasets)
         #: With ``verify=True``, every closed sample; else None.
         self.samples: SampleBook | None = SampleBook() if verify else None
         #: The first bad samples (``_KEEP_BAD``): ``(reason, sample_id, detail)``.
@@ -287,7 +355,7 @@ class Accounting:
         run)."""
         dataset_ids, shard_ids, local_ids = chunk.dataset_ids, chunk.shard_ids, chunk.local_ids
         n = len(local_ids)
-        if not n or not self.datasets:
+        if not n or not self._stored:  # in-memory data occupies no storage
             return 0
         # Runs of one (dataset, shard): a chunk usually holds one or a few.
         change = np.flatnonzero((dataset_ids[1:] != dataset_ids[:-1])
@@ -335,6 +403,81 @@ class Accounting:
             for item in items:
                 meta = item.meta
                 add((lane_id, meta.chunk_id, meta.chunk_offset))
+
+    def delivered_rows(self, lane_id: int, rows: PlainRows, start: int, stop: int) -> None:
+        """Rows ``start..stop-1`` of a block without tags, received as records.
+
+        What :meth:`delivered_plain` does with their records, read from the
+        rows' columns: for the usual rows of one chunk, a few calls and no
+        work per row.
+        """
+        n = stop - start
+        if n <= 0:
+            return
+        lane = self.lanes[lane_id]
+        lane.samples_delivered += n
+        k = self.flush_every
+        counts = lane.delivered_in_epoch
+        if rows.single_chunk:
+            first, offset = rows.ids[start, ID_CHUNK:].tolist()
+            key = first // k if k else first
+            counts[key] = counts.get(key, 0) + n
+            if not k:
+                if rows.consecutive:  # offset, offset + 1, offset + 2, ...
+                    lane.close_range(first, offset, offset + n)
+                else:
+                    lane.close_many(first, rows.offsets(start, stop))
+            if self.samples is not None:
+                self.samples.add_arrays(lane_id, rows.ids[start:stop, ID_CHUNK],
+                                        rows.ids[start:stop, ID_OFFSET])
+            lane.cursor = rows.cursor_key(stop - 1)
+            lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
+            lane.outputs += n
+            return
+        chunks, offsets = rows.chunk_ids(start, stop), rows.offsets(start, stop)
+        if k:
+            for chunk_id in chunks:
+                epoch = chunk_id // k
+                counts[epoch] = counts.get(epoch, 0) + 1
+        else:  # each row closes its own offset, grouped by chunk in order of appearance
+            groups: dict[int, list[int]] = {}
+            for chunk_id, offset in zip(chunks, offsets):
+                group = groups.get(chunk_id)
+                if group is None:
+                    group = groups[chunk_id] = []
+                group.append(offset)
+            for chunk_id, group in groups.items():
+                counts[chunk_id] = counts.get(chunk_id, 0) + len(group)
+                lane.close_many(chunk_id, group)
+        lane.cursor = rows.cursor_key(stop - 1)
+        lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
+        lane.outputs += n
+        if self.samples is not None:
+            add = self.samples.add
+            for chunk_id, offset in zip(chunks, offsets):
+                add((lane_id, chunk_id, offset))
+
+    def delivered_batches(self, lane_id: int, batches: Sequence[Any]) -> None:
+        """Batches of ``lane_id`` the caller received, in order: :meth:`delivered` each.
+
+        Block batches whose rows close only themselves (no contributors) are
+        counted together, as the rows of one block received as that many
+        items: the books end exactly where one call per batch leaves them.
+        """
+        if len(batches) > 1 and all(type(b) is BlockBatch and b.block.contributors is None
+                                    and b.block.lane == lane_id for b in batches):
+            blocks = [b.block for b in batches]
+            ids = np.concatenate([block.ids for block in blocks])
+            last = blocks[-1]
+            lineage = None
+            if last.lineage is not None:  # only the last row's lineage is read (the cursor)
+                lineage = [()] * (len(ids) - len(last)) + list(last.lineage)
+            rows = Block(lane_id, ids, payloads=[None] * len(ids), lineage=lineage)
+            self.lanes[lane_id].samples_delivered += self._rows_received(
+                rows, outputs=len(batches))
+            return
+        for batch in batches:
+            self.delivered(lane_id, batch)
 
     def delivered(self, lane_id: int, item: Any) -> None:
         """An item of ``lane_id`` the caller received (a tagged record, a batch, a block
@@ -452,21 +595,41 @@ class Accounting:
         """A block's rows were received (as ``outputs`` items; 0: before a resume): close,
         count per epoch, move the cursor, with array operations and no record built.
         Returns how many base samples they close."""
-        if not len(block):
+        n = len(block)
+        if not n:
             return 0
         lane = self.lanes[block.lane]
-        chunk_ids = block.ids[:, ID_CHUNK]
+        ids = block.ids
+        chunk_ids = ids[:, ID_CHUNK]
         k = self.flush_every
-        epochs = chunk_ids // k if k else chunk_ids
-        values, counts = np.unique(epochs, return_counts=True)
         per_epoch = lane.delivered_in_epoch
-        for epoch, count in zip(values.tolist(), counts.tolist()):
-            per_epoch[epoch] = per_epoch.get(epoch, 0) + count
-        self._close_rows(block)
-        lane.cursor = block.cursor_key(len(block) - 1)
+        first = int(chunk_ids[0])
+        if block.contributors is None and first == int(chunk_ids[-1]) \
+                and bool((chunk_ids == first).all()):
+            # The usual batch: rows of one chunk, each closing its own offset.
+            epoch = first // k if k else first
+            per_epoch[epoch] = per_epoch.get(epoch, 0) + n
+            if not k:
+                offsets = ids[:, ID_OFFSET]
+                low = int(offsets[0])
+                if int(offsets[-1]) - low == n - 1 and bool((np.diff(offsets) == 1).all()):
+                    lane.close_range(first, low, low + n)  # rows in order, none left out
+                else:
+                    lane.close_many(first, offsets.tolist())
+            if self.samples is not None:
+                self.samples.add_arrays(block.lane, chunk_ids, ids[:, ID_OFFSET])
+            closes = n
+        else:
+            epochs = chunk_ids // k if k else chunk_ids
+            values, counts = np.unique(epochs, return_counts=True)
+            for epoch, count in zip(values.tolist(), counts.tolist()):
+                per_epoch[epoch] = per_epoch.get(epoch, 0) + count
+            self._close_rows(block)
+            closes = int(block.close_counts().sum())
+        lane.cursor = block.cursor_key(n - 1)
         lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
         lane.outputs += outputs
-        return int(block.close_counts().sum())
+        return closes
 
     def _count_tombstones(self, lane_id: int, reason: str, closes: int) -> bool:
         """Count ``closes`` samples tombstoned for ``reason``; True when the tombstone is a

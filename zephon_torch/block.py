@@ -62,6 +62,8 @@ from zephon_torch.types import (
     SampleCursor,
     SampleMeta,
     SampleRecord,
+    metas_from_columns,
+    records_from_columns,
 )
 from zephon_torch.vocab import (
     CONTRIBUTORS_TAG,
@@ -81,6 +83,7 @@ __all__ = [
     "Block",
     "BlockBatch",
     "Contributors",
+    "PlainRows",
     "Ragged",
     "RowView",
     "Sentinel",
@@ -544,7 +547,14 @@ class Block:
 
     def with_payloads(self, payloads: list[Any]) -> Block:
         """The same rows with new payload objects (one per row)."""
-        return self._replace(payloads=payloads, fields=None)
+        # Slot by slot, not through the keyword constructor: a map stage calls this
+        # once per block, and nothing else changes.
+        out = object.__new__(Block)
+        for name in _SHARED:
+            setattr(out, name, getattr(self, name))
+        out.payloads = payloads
+        out.fields = None
+        return out
 
     def with_fields(self, fields: dict[str, Any]) -> Block:
         """The same rows with new payload columns."""
@@ -585,25 +595,26 @@ class Block:
         return (self.contributors is None and self.packing is None and self.tomb is None
                 and self.extra is None)
 
+    def _meta_columns(self) -> tuple[list[list[int]], list[dict[int, int]], Any, Any, Any]:
+        """What every row's meta is made of: the id columns, counts, token counts,
+        lineage, tags."""
+        tags = None
+        if not self._plain():
+            tags = [self.tags(i) or None for i in range(len(self))]
+        return self.ids.T.tolist(), self._counts_list(), self.token_counts, self.lineage, tags
+
     def metas(self) -> list[SampleMeta]:
         """Every row's :class:`~zephon_torch.types.SampleMeta`, in order."""
-        lane = self.lane
-        ids = self.ids.tolist()
-        counts = self._counts_list()
-        if self._plain() and self.lineage is None and self.token_counts is None:
-            return [SampleMeta((d, s, loc), lane, c, o, cnt)
-                    for (d, s, loc, c, o), cnt in zip(ids, counts)]
-        lineage = self.lineage if self.lineage is not None else itertools.repeat(())
-        tokens = self.token_counts if self.token_counts is not None else itertools.repeat(None)
-        plain = self._plain()
-        return [SampleMeta((d, s, loc), lane, c, o, cnt, tc, lin,
-                           None if plain else (self.tags(i) or None))
-                for i, ((d, s, loc, c, o), cnt, tc, lin) in enumerate(
-                    zip(ids, counts, tokens, lineage))]
+        columns, counts, tokens, lineage, tags = self._meta_columns()
+        return metas_from_columns(itertools.repeat(self.lane), columns, counts, tokens, lineage,
+                                  tags)
 
     def records(self) -> list[SampleRecord]:
         """Every row as a :class:`~zephon_torch.types.SampleRecord`, in order."""
-        return list(map(SampleRecord, self.metas(), self.payload_list()))
+        columns, counts, tokens, lineage, tags = self._meta_columns()
+        payloads = self.payloads if self.payloads is not None else self.payload_list()
+        return records_from_columns(itertools.repeat(self.lane), columns, counts, payloads,
+                                    tokens, lineage, tags)
 
     def record(self, i: int) -> SampleRecord:
         """Row ``i`` as a record."""
@@ -657,23 +668,30 @@ class Block:
         if start == 0 and stop >= len(self):
             return self
         cut = slice(start, stop)
-        return Block(
-            self.lane, self.ids[cut],
-            payloads=None if self.payloads is None else self.payloads[cut],
-            fields=None if self.fields is None else
-            {k: _column_slice(c, start, stop) for k, c in self.fields.items()},
-            lineage=None if self.lineage is None else self.lineage[cut],
-            component=None if self.component is None else self.component[cut],
-            counts=None if self.counts is None else self.counts[cut],
-            token_counts=None if self.token_counts is None else self.token_counts[cut],
-            tomb=None if self.tomb is None else self.tomb[cut],
-            reason=None if self.reason is None else self.reason[cut],
-            detail=None if self.detail is None else self.detail[cut],
-            contributors=None if self.contributors is None
-            else self.contributors.slice(start, stop),
-            packing=None if self.packing is None else self.packing[cut],
-            extra=None if self.extra is None else self.extra[cut],
-        )
+        # Filled slot by slot: a batch is a slice of its block, and this is cheaper
+        # than the keyword constructor (what it checks holds for a slice already).
+        out = object.__new__(Block)
+        out.lane = self.lane
+        out.ids = self.ids[cut]
+        out.payloads = None if self.payloads is None else self.payloads[cut]
+        out.fields = None if self.fields is None else {
+            k: _column_slice(c, start, stop) for k, c in self.fields.items()}
+        out.lineage = None if self.lineage is None else self.lineage[cut]
+        out.component = None if self.component is None else self.component[cut]
+        out.counts = None if self.counts is None else self.counts[cut]
+        out.token_counts = None if self.token_counts is None else self.token_counts[cut]
+        tomb = None if self.tomb is None else self.tomb[cut]
+        if tomb is not None and tomb.any():
+            out.tomb = tomb
+            out.reason = None if self.reason is None else self.reason[cut]
+            out.detail = None if self.detail is None else self.detail[cut]
+        else:
+            out.tomb = out.reason = out.detail = None
+        out.contributors = (None if self.contributors is None
+                            else self.contributors.slice(start, stop))
+        out.packing = None if self.packing is None else self.packing[cut]
+        out.extra = None if self.extra is None else self.extra[cut]
+        return out
 
     def take(self, index: Sequence[int] | np.ndarray) -> Block:
         """The rows ``index``, in that order."""
@@ -901,6 +919,9 @@ class Block:
 
 _STATE = ("payloads", "fields", "lineage", "component", "counts", "token_counts", "tomb",
           "reason", "detail", "contributors", "packing", "extra")
+#: What :meth:`Block.with_payloads` keeps.
+_SHARED = ("lane", "ids", "lineage", "component", "counts", "token_counts", "tomb", "reason",
+           "detail", "contributors", "packing", "extra")
 
 
 def _gather_arrays(blocks: list[Block], groups: np.ndarray, owner: np.ndarray,
@@ -1012,6 +1033,83 @@ def blocks_from_records(records: Iterable[SampleRecord]) -> list[Block]:
     for record in records:
         by_lane.setdefault(record.meta.lane_id, []).append(record)
     return [Block.from_records(rs, lane) for lane, rs in by_lane.items()]
+
+
+# --------------------------------------------------------------------------- plain rows
+
+#: :class:`PlainRows`: a column whose rows hold different values.
+MIXED: Any = type("Mixed", (), {"__repr__": lambda self: "MIXED", "__slots__": ()})()
+
+
+class PlainRows:
+    """The rows of a block without tags, ready to be handed out a few at a time.
+
+    What the consumer needs of a block of plain data rows: the records of
+    any range of rows (built only when asked for) and, for the books, the
+    rows' chunk ids, offsets and cursor keys. The ids stay one numpy array;
+    the per-row Python objects (counts, payloads, lineage) are the block's
+    own lists, so that rows waiting in a queue cost the garbage collector
+    nothing.
+
+    Raises:
+        ValueError: The block has rows with tags (tombstones, contributors,
+            packing metadata, other tags).
+    """
+
+    __slots__ = ("consecutive", "counts", "ids", "lane", "lineage", "payloads", "single_chunk",
+                 "token_counts", "uniform_counts")
+
+    def __init__(self, block: Block) -> None:
+        if not block._plain():
+            raise ValueError("PlainRows holds rows without tags; this block has tagged rows")
+        self.lane = block.lane
+        ids = self.ids = block.ids
+        n = len(ids)
+        #: The counts object every row shares (the usual one-component block), or MIXED.
+        self.uniform_counts: Any = MIXED
+        component = block.component
+        if block.counts is None and component is None:
+            self.uniform_counts = _NO_COUNTS
+        elif block.counts is None and n and component[0] == component[-1] \
+                and bool((component == component[0]).all()):
+            self.uniform_counts = _unit_counts(int(component[0]))
+        self.counts = (block._counts_list() if self.uniform_counts is MIXED
+                       else [self.uniform_counts] * n)
+        self.payloads = block.payloads if block.payloads is not None else block.payload_list()
+        self.token_counts = block.token_counts
+        self.lineage = block.lineage
+        chunks, offsets = ids[:, ID_CHUNK], ids[:, ID_OFFSET]
+        #: Every row is of one chunk (the usual block).
+        self.single_chunk = n < 2 or (chunks[0] == chunks[-1]
+                                      and bool((chunks == chunks[0]).all()))
+        #: The rows' offsets go up one at a time (a chunk's rows in order, none left out).
+        self.consecutive = n < 2 or (offsets[-1] - offsets[0] == n - 1
+                                     and bool((np.diff(offsets) == 1).all()))
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def chunk_ids(self, start: int, stop: int) -> list[int]:
+        """The ``chunk_id`` of rows ``start..stop-1``."""
+        return self.ids[start:stop, ID_CHUNK].tolist()
+
+    def offsets(self, start: int, stop: int) -> list[int]:
+        """The ``chunk_offset`` of rows ``start..stop-1``."""
+        return self.ids[start:stop, ID_OFFSET].tolist()
+
+    def records(self, start: int, stop: int) -> list[SampleRecord]:
+        """Rows ``start..stop-1`` as records (what ``Block.records()`` gives for them)."""
+        cut = slice(start, stop)
+        tokens, lineage = self.token_counts, self.lineage
+        return records_from_columns(
+            itertools.repeat(self.lane), self.ids[cut].T.tolist(), self.counts[cut],
+            self.payloads[cut], None if tokens is None else tokens[cut],
+            None if lineage is None else lineage[cut])
+
+    def cursor_key(self, i: int) -> tuple[int, int, tuple[int, ...], tuple[int, int, int]]:
+        """Row ``i``'s cursor key ``(chunk_id, chunk_offset, lineage, sample_id)``."""
+        d, s, loc, c, o = self.ids[i].tolist()
+        return (c, o, self.lineage[i] if self.lineage is not None else (), (d, s, loc))
 
 
 # --------------------------------------------------------------------------- batches

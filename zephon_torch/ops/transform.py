@@ -46,7 +46,7 @@ import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from operator import is_not
+from operator import is_
 from types import CodeType
 from typing import Any
 
@@ -215,15 +215,20 @@ class MapTransform(Operator):
     def process_block(self, block: Block) -> Block:
         """:meth:`process_many` on a block: ``fn`` on each data row's payload, no record built."""
         fn = self.fn
-        payloads = block.payload_list()
+        payloads = block.payloads if block.payloads is not None else block.payload_list()
+        # ``seen`` gets an entry for each None that fn returns (``seen.append`` returns
+        # None, which stays in place): the sweep finds them as it goes, where testing
+        # ``None in new`` would compare with ==, which an array payload refuses.
+        seen: list[None] = []
+        mark = seen.append
         if block.tomb is None:
-            new = [fn(p) for p in payloads]
+            new = [r if (r := fn(p)) is not None else mark(r) for p in payloads]
         else:
-            new = [p if dead else fn(p) for p, dead in zip(payloads, block.tomb.tolist())]
+            new = [p if dead else (r if (r := fn(p)) is not None else mark(r))
+                   for p, dead in zip(payloads, block.tomb.tolist())]
         out = block.with_payloads(new)
-        # (Not ``None in new``: that compares with ==, which an array payload refuses.)
-        if self.drop_none and not all(map(is_not, new, repeat(None))):
-            none = np.fromiter((p is None for p in new), dtype=bool, count=len(new))
+        if self.drop_none and seen:
+            none = np.fromiter(map(is_, new, repeat(None)), dtype=bool, count=len(new))
             if block.tomb is not None:
                 none &= ~block.tomb
             if none.any():

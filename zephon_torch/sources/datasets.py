@@ -78,6 +78,7 @@ from zephon_torch.sources.readers import (
     read_lines_at,
     stat_file,
 )
+from zephon_torch.vocab import texts_present
 
 __all__ = [
     "ItemsDataset",
@@ -194,6 +195,10 @@ class _FileDataset(Dataset):
 # ---------------------------------------------------------------- items
 
 
+#: What ``ItemsDataset`` accepts as an item.
+_ITEM_KINDS = (dict, str, list, tuple, np.ndarray)
+
+
 class ItemsDataset(Dataset):
     """An in-memory list of payloads: one shard, read inline.
 
@@ -225,11 +230,14 @@ class ItemsDataset(Dataset):
             except TypeError:
                 raise ValueError(f"items must be a sequence of payloads (dicts or str), "
                                  f"got {type(items).__name__}") from None
-        for i, item in enumerate(items):
-            if not isinstance(item, (dict, str, list, tuple, np.ndarray)):
-                raise TypeError(f"items[{i}] is a {type(item).__name__}; each item must be a "
-                                "dict payload, a str (becomes {'text': s}) or an array of "
-                                "token ids")
+        # One sweep in C over the items' types; the item-by-item check only names
+        # the culprit when a type is not one of the accepted kinds.
+        if not all(issubclass(kind, _ITEM_KINDS) for kind in set(map(type, items))):
+            for i, item in enumerate(items):
+                if not isinstance(item, _ITEM_KINDS):
+                    raise TypeError(f"items[{i}] is a {type(item).__name__}; each item must be "
+                                    "a dict payload, a str (becomes {'text': s}) or an array "
+                                    "of token ids")
         self._items = items
         self.on_error = _check_on_error(on_error)
         self.component_id = _check_component_id(component_id)
@@ -244,14 +252,27 @@ class ItemsDataset(Dataset):
 
     def read(self, shard_id: int, local_ids: Sequence[int]) -> list[Any]:
         """The payloads of ``local_ids`` (dicts are the caller's own objects)."""
+        return self.read_checked(shard_id, local_ids)[0]
+
+    def read_checked(self, shard_id: int, local_ids: Sequence[int]) -> tuple[list[Any], bool]:
+        """:meth:`read`, and whether every payload is a dict with a non-blank text.
+
+        When it is (``vocab.texts_present``, one sweep), no item needed
+        wrapping and no row is an empty text: the source's emptiness check has
+        nothing to look for.
+        """
         if shard_id != 0:
             raise IndexError(f"{self.name}: shard {shard_id} does not exist (1 shard)")
         items = self._items
-        out = []
-        for i in local_ids:
-            item = items[i]
-            out.append({"text": item} if isinstance(item, str) else item)
-        return out
+        if type(local_ids) is range and local_ids.step == 1 and type(items) is list:
+            out = items[local_ids.start:local_ids.stop]  # a run of ids: one slice
+            if len(out) != len(local_ids):  # past the end: the indexing below says so
+                out = list(map(items.__getitem__, local_ids))
+        else:
+            out = list(map(items.__getitem__, local_ids))
+        if texts_present(out):  # all dicts: no str to wrap
+            return out, True
+        return [{"text": item} if isinstance(item, str) else item for item in out], False
 
     def stream(self, shard_id: int) -> Iterator[Any]:
         """The payloads in order."""

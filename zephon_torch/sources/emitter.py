@@ -27,6 +27,7 @@ import numpy as np
 
 from zephon_torch.block import Block, Sentinel
 from zephon_torch.sources.base import POINTER, Dataset
+from zephon_torch.sources.datasets import ItemsDataset
 from zephon_torch.sources.schedule import Chunk, ScheduleState, WorkSchedule
 from zephon_torch.types import SampleRecord
 from zephon_torch.vocab import empty_text_rows
@@ -108,6 +109,7 @@ class SourceEmitter:
         self.replayed = 0  # pointers re-read from replayed chunks
         self.replayed_by_lane: dict[int, int] = {}
         self.finished = False
+        self._steps = np.arange(0, dtype=np.int64)
 
     def __iter__(self) -> Iterator[list[Any]]:
         return self
@@ -147,6 +149,14 @@ class SourceEmitter:
             units.append(Sentinel(chunk.lane_id, chunk.chunk_id + 1))
         return units
 
+    def _arange(self, n: int) -> np.ndarray:
+        """``0, 1, ..., n-1`` (read-only, kept for the chunk size at hand)."""
+        steps = self._steps
+        if len(steps) != n:
+            steps = self._steps = np.arange(n, dtype=np.int64)
+            steps.setflags(write=False)
+        return steps
+
     def pending_replay(self, global_chunk: int) -> ScheduleState | None:
         """The start state of a chunk still waiting to be replayed, if it is one."""
         for pending in self._replay:
@@ -177,21 +187,26 @@ class SourceEmitter:
         ids[:, 1] = chunk.shard_ids
         ids[:, 2] = chunk.local_ids
         ids[:, 3] = chunk.chunk_id
-        ids[:, 4] = np.arange(n, dtype=np.int64)
+        ids[:, 4] = self._arange(n)
         component = self._components[chunk.dataset_ids]
         if self._all_pointers:
             return Block(chunk.lane_id, ids, payloads=[POINTER] * n, component=component)
-        dataset_ids = chunk.dataset_ids.tolist()
-        shard_ids = chunk.shard_ids.tolist()
-        local_ids = chunk.local_ids.tolist()
-        if _single(chunk.dataset_ids) and _single(chunk.shard_ids) and \
-                self._shards[dataset_ids[0]][shard_ids[0]].access == "inline":
-            payloads = self.datasets[dataset_ids[0]].read(shard_ids[0], local_ids)
+        dataset_id, shard_id = ids[0, :2].tolist() if n else (0, 0)
+        if n and bool((ids[:, :2] == ids[0, :2]).all()) and \
+                self._shards[dataset_id][shard_id].access == "inline":  # one shard's items
+            dataset = self.datasets[dataset_id]
+            local_ids = _as_run(chunk.local_ids, self._arange(n))
+            if type(dataset) is ItemsDataset:  # in-memory items, checked as they are read
+                payloads, clean = dataset.read_checked(shard_id, local_ids)
+            else:
+                payloads, clean = dataset.read(shard_id, local_ids), False
         else:
-            payloads = self._payloads(dataset_ids, shard_ids, local_ids)
+            payloads = self._payloads(chunk.dataset_ids.tolist(), chunk.shard_ids.tolist(),
+                                      chunk.local_ids.tolist())
+            clean = False
         block = Block(chunk.lane_id, ids, payloads=payloads, component=component)
         # An empty in-memory or streamed document is closed by a tombstone now.
-        empty = empty_text_rows(payloads)
+        empty = [] if clean else empty_text_rows(payloads)
         if empty:
             mask = np.zeros(n, dtype=bool)
             mask[empty] = True
@@ -222,5 +237,12 @@ class SourceEmitter:
         return payloads
 
 
-def _single(values: np.ndarray) -> bool:
-    return len(values) == 0 or (values[0] == values[-1] and bool((values == values[0]).all()))
+def _as_run(local_ids: np.ndarray, steps: np.ndarray) -> Sequence[int]:
+    """The ids as a ``range`` when they are consecutive (a reader may then slice), else a list
+    (``steps``: ``0, 1, ...`` as long as the ids)."""
+    n = len(local_ids)
+    first = int(local_ids[0]) if n else 0
+    if n > 1 and int(local_ids[-1]) - first == n - 1 \
+            and bool((local_ids - first == steps).all()):
+        return range(first, first + n)
+    return local_ids.tolist()

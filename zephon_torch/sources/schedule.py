@@ -134,21 +134,26 @@ class _DatasetStream:
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Shard and local ids of stream ``positions`` (ascending int64)."""
+        passes = positions // self.size
+        if len(passes) and passes[0] == passes[-1]:  # ascending: all of one pass
+            return self._locate_in_pass(int(passes[0]), positions)
         shard_ids = np.empty(len(positions), dtype=np.int64)
         local_ids = np.empty(len(positions), dtype=np.int64)
-        passes = positions // self.size
         for pass_index in np.unique(passes).tolist():
             sel = passes == pass_index
-            offsets = positions[sel] - pass_index * self.size
-            order, ends = self._pass_layout(pass_index)
-            slot = np.searchsorted(ends, offsets, side="right")
-            shard = order[slot]
-            within = offsets - (ends[slot] - self.sizes[shard])
-            if self.shuffle:
-                within = self._shuffle_within(shard, within, pass_index)
-            shard_ids[sel] = shard
-            local_ids[sel] = within
+            shard_ids[sel], local_ids[sel] = self._locate_in_pass(pass_index, positions[sel])
         return shard_ids, local_ids
+
+    def _locate_in_pass(self, pass_index: int, positions: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        offsets = positions - pass_index * self.size
+        order, ends = self._pass_layout(pass_index)
+        slot = np.searchsorted(ends, offsets, side="right")
+        shard = order[slot]
+        within = offsets - (ends[slot] - self.sizes[shard])
+        if self.shuffle:
+            within = self._shuffle_within(shard, within, pass_index)
+        return shard.astype(np.int64, copy=False), within.astype(np.int64, copy=False)
 
     def _shuffle_within(self, shard: np.ndarray, within: np.ndarray,
                         pass_index: int) -> np.ndarray:
@@ -393,12 +398,18 @@ class WorkSchedule:
         components, nxt = self.advance(state)
         if components is None:
             return None, state
-        shard_ids = np.empty(len(components), dtype=np.int64)
-        local_ids = np.empty(len(components), dtype=np.int64)
-        for d in np.unique(components).tolist():
-            sel = components == d
+        if components[0] == components[-1] and bool((components == components[0]).all()):
+            d = int(components[0])  # one dataset (the usual chunk): no masks
             first = state.counts[d]
-            positions = np.arange(first, first + int(sel.sum()), dtype=np.int64)
-            shard_ids[sel], local_ids[sel] = self.streams[d].locate(positions)
+            shard_ids, local_ids = self.streams[d].locate(
+                np.arange(first, first + len(components), dtype=np.int64))
+        else:
+            shard_ids = np.empty(len(components), dtype=np.int64)
+            local_ids = np.empty(len(components), dtype=np.int64)
+            for d in np.unique(components).tolist():
+                sel = components == d
+                first = state.counts[d]
+                positions = np.arange(first, first + int(sel.sum()), dtype=np.int64)
+                shard_ids[sel], local_ids[sel] = self.streams[d].locate(positions)
         lane_id, chunk_id = self.lane_of(state.global_chunk)
         return Chunk(state, lane_id, chunk_id, components, shard_ids, local_ids), nxt

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -430,15 +431,26 @@ def test_max_in_flight_bounds_what_is_in_ray(ray_session) -> None:
     try:
         stage = next(iter(it._ray_pool._core.stages.values()))
         engine_stage = it.stages[it._ray_pool.stage_indices[0]]
-        seen_running, seen_engine = 0, 0
+        seen_running, seen_engine = [0], 0
+        done = threading.Event()
+
+        def watch() -> None:  # what runs in Ray, also while the consumer waits
+            while not done.is_set():
+                seen_running[0] = max(seen_running[0], len(stage.running))
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         out = []
         for item in it:
             out.append(item)
-            seen_running = max(seen_running, len(stage.running))
+            seen_running[0] = max(seen_running[0], len(stage.running))
             seen_engine = max(seen_engine, engine_stage.in_flight)
     finally:
+        done.set()
         it.close()
+    watcher.join()
     assert len(out) == 120
-    assert seen_running == 2  # the bound was reached and never passed
+    assert seen_running[0] == 2  # the bound was reached and never passed
     # The engine stops feeding the stage at the bound too (one chunk may overshoot it).
     assert seen_engine <= 2 + CONFIG["chunk_size"] // 2

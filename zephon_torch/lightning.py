@@ -134,6 +134,7 @@ class ZephonStream:
         self.loader = loader
         self._generation = 0  # the iteration that is current; older iterators are stale
         self._started = False
+        self._current: Any = None  # the loader's iterator of the current generation
 
     @property
     def started(self) -> bool:
@@ -156,10 +157,19 @@ class ZephonStream:
         return len(self.loader)
 
     def _begin(self) -> tuple[int, Iterator[Any]]:
-        """Start a new iteration of the loader; returns its generation and iterator."""
+        """Start a new iteration of the loader; returns its generation and iterator.
+
+        Lightning asks for a new iteration when it is done with the last one,
+        which it may leave unfinished (an epoch of known length ends after its
+        ``len()`` batches, without asking for more): that one is closed first.
+        """
         self._generation += 1
         self._started = True
-        return self._generation, iter(self.loader)
+        previous, self._current = self._current, None
+        if previous is not None:
+            previous.close()
+        self._current = iter(self.loader)
+        return self._generation, self._current
 
     def _handed(self, generation: int) -> None:
         """A batch of iteration ``generation`` is about to be returned to Lightning."""
@@ -198,8 +208,7 @@ class _TrainStream(ZephonStream):
     def _begin(self) -> tuple[int, Iterator[Any]]:
         if self._all_received():
             self._held = 0
-        if self.started and self.loader.checkpointable and not (
-                self._exhausted and not self._held):
+        if self.started and self.loader.checkpointable and not self._pass_ended():
             # Lightning ended an epoch before the pipeline ended (limit_train_batches):
             # the next epoch continues after the last batch the step received, so the
             # batch its fetcher had prefetched is not lost.
@@ -240,7 +249,26 @@ class _TrainStream(ZephonStream):
         if self._all_received():
             self._held = 0
         # Before the first iteration: the loaded state, or the beginning.
-        return self._received(), self.started and self._exhausted and not self._held
+        return self._received(), self.started and self._pass_ended()
+
+    def _pass_ended(self) -> bool:
+        """Whether the step has received the last batch of the pass.
+
+        The iteration ran out, and the step received all it handed out; or,
+        for an epoch whose length is known, the step has received ``len()``
+        batches of it (Lightning then ends the epoch without asking for more,
+        so the iteration never runs out).
+        """
+        if self._exhausted:
+            return not self._held
+        try:
+            length = len(self.loader)
+        except TypeError:  # no length: only running out ends the pass
+            return False
+        state = self._received()
+        received = 0 if state is None else sum(
+            int(entry.get("outputs", 0)) for entry in state["lanes"].values())
+        return received >= length
 
 
 class _StreamEpochs:

@@ -147,6 +147,8 @@ class _DatasetStream:
     def _locate_in_pass(self, pass_index: int, positions: np.ndarray
                         ) -> tuple[np.ndarray, np.ndarray]:
         offsets = positions - pass_index * self.size
+        if len(self.sizes) == 1 and not self.shuffle:  # one shard, in order: no search
+            return np.zeros(len(offsets), dtype=np.int64), offsets.astype(np.int64, copy=False)
         order, ends = self._pass_layout(pass_index)
         slot = np.searchsorted(ends, offsets, side="right")
         shard = order[slot]
@@ -398,7 +400,8 @@ class WorkSchedule:
         components, nxt = self.advance(state)
         if components is None:
             return None, state
-        if components[0] == components[-1] and bool((components == components[0]).all()):
+        if not self._mixture or (components[0] == components[-1]
+                                 and bool((components == components[0]).all())):
             d = int(components[0])  # one dataset (the usual chunk): no masks
             first = state.counts[d]
             shard_ids, local_ids = self.streams[d].locate(

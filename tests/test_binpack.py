@@ -31,6 +31,7 @@ from zephon_torch.ops._binpack import (
     copy_runs,
     native_available,
     native_enabled,
+    ramps,
 )
 
 Row = tuple[tuple[tuple[int, int, int, int], ...], int, int]  # pieces, used, after
@@ -455,3 +456,24 @@ def test_the_compiled_copy_runs_names_an_array_of_the_wrong_kind():
     with pytest.raises(TypeError, match="out must be a 1-D C-contiguous writable array"):
         copy_runs(np.zeros(4, dtype=np.int32), *runs, np.zeros(4, dtype=np.int32)[::2],
                   native=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(run_tables())
+def test_ramps_count_each_run_from_zero_and_leave_the_rest(native, table):
+    _, _, starts, lengths, size = table
+    out = np.full(size, -7, dtype=np.int32)
+    ramps(starts, lengths, out, native=native)
+    want = np.full(size, -7, dtype=np.int32)
+    for a, n in zip(starts.tolist(), lengths.tolist()):
+        want[a:a + n] = np.arange(n)
+    assert out.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize(("start", "length"), [(8, 3), (-1, 1), (0, -1)])
+def test_ramps_refuse_a_run_outside_out(native, start, length):
+    out = np.zeros(10, dtype=np.int32)
+    runs = [np.array([x], dtype=np.int64) for x in (start, length)]
+    with pytest.raises(ValueError, match="outside"):
+        ramps(*runs, out, native=native)
+    assert not out.any()

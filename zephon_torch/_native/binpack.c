@@ -636,8 +636,8 @@ static int int_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int w
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "copy_runs(): %s must be a 1-D C-contiguous%s array of "
-                     "int%zd", name, writable ? " writable" : "", itemsize * 8);
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D C-contiguous%s array of int%zd",
+                     name, writable ? " writable" : "", itemsize * 8);
         return -1;
     }
     const char *f = view->format ? view->format : "";
@@ -646,8 +646,8 @@ static int int_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int w
                             : (strcmp(f, "q") == 0 || strcmp(f, "l") == 0));
     if (!ok) {
         PyBuffer_Release(view);
-        PyErr_Format(PyExc_TypeError, "copy_runs(): %s must be a 1-D C-contiguous%s array of "
-                     "int%zd", name, writable ? " writable" : "", itemsize * 8);
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D C-contiguous%s array of int%zd",
+                     name, writable ? " writable" : "", itemsize * 8);
         return -1;
     }
     return 0;
@@ -697,9 +697,54 @@ done:
     return result;
 }
 
+/* ramps(starts, lengths, out): out[starts[p] + k] = k for k < lengths[p], every run p;
+ * int64 runs, int32 out (the packed rows' positions: each segment counts from 0). */
+static PyObject *ramps(PyObject *module, PyObject *args) {
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "OOO:ramps", &objs[0], &objs[1], &objs[2])) return NULL;
+    static const char *const names[3] = {"starts", "lengths", "out"};
+    static const Py_ssize_t sizes[3] = {8, 8, 4};
+    Py_buffer views[3];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 3; got++)
+        if (int_buffer(objs[got], &views[got], sizes[got], got == 2, names[got]) < 0) goto done;
+    const int64_t *starts = (const int64_t *)views[0].buf;
+    const int64_t *lengths = (const int64_t *)views[1].buf;
+    int32_t *out = (int32_t *)views[2].buf;
+    const Py_ssize_t nout = views[2].len / 4, n = views[0].len / 8;
+    if (views[1].len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "ramps(): starts and lengths differ in length");
+        goto done;
+    }
+    for (Py_ssize_t p = 0; p < n; p++) {
+        if (lengths[p] < 0 || lengths[p] > INT32_MAX || starts[p] < 0 ||
+            starts[p] > nout - lengths[p]) {
+            PyErr_Format(PyExc_ValueError, "ramps(): run %zd (start %lld, length %lld) falls "
+                         "outside out (%zd)", p, (long long)starts[p], (long long)lengths[p],
+                         nout);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t p = 0; p < n; p++) {
+        int32_t *at = out + starts[p];
+        const int32_t len = (int32_t)lengths[p];
+        for (int32_t k = 0; k < len; k++) at[k] = k;
+    }
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS,
      "copy_runs(values, src, dest, lengths, out): copy runs of int32 values into out."},
+    {"ramps", ramps, METH_VARARGS,
+     "ramps(starts, lengths, out): write 0, 1, ... lengths[p] - 1 at out[starts[p]:]."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -71,6 +71,7 @@ __all__ = [
     "native_available",
     "native_enabled",
     "native_requested",
+    "ramps",
     "warn_kernel_missing",
 ]
 
@@ -160,6 +161,33 @@ def copy_runs(values: np.ndarray, src: np.ndarray, dest: np.ndarray, lengths: np
         raise ValueError("copy_runs(): a run falls outside values or out")
     for a, d, n in zip(src.tolist(), dest.tolist(), lengths.tolist()):
         out[d:d + n] = values[a:a + n]
+
+
+def ramps(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray, *,
+          native: bool | None = None) -> None:
+    """Write ``0, 1, ..., lengths[p] - 1`` at ``out[starts[p]:]`` for every run ``p``.
+
+    The packers' positions: every segment of a flat row (a piece, or the
+    trailing padding) counts from 0. ``out`` is a 1-D int32 array, the runs
+    int64 arrays of one length.
+
+    Args:
+        native: True for the compiled kernel, False for the twin, None (the
+            default) for :func:`native_enabled`'s choice.
+
+    Raises:
+        ValueError: A run falls outside ``out``.
+    """
+    if native is None:
+        native = native_enabled()
+    if native and _native is not None:
+        _native.ramps(starts, lengths, out)
+        return
+    if len(lengths) and (int(lengths.min()) < 0 or int(starts.min()) < 0
+                         or int((starts + lengths).max()) > len(out)):
+        raise ValueError("ramps(): a run falls outside out")
+    for a, n in zip(starts.tolist(), lengths.tolist()):
+        out[a:a + n] = np.arange(n, dtype=out.dtype)
 
 
 def warn_kernel_missing(kernel: str, error: str, consequence: str, *, stacklevel: int) -> None:

@@ -87,7 +87,13 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zephon_torch.block import Block, Contributors, Ragged, RowView
-from zephon_torch.ops._binpack import BinPlacer, Placement, copy_runs, native_enabled
+from zephon_torch.ops._binpack import (
+    BinPlacer,
+    Placement,
+    copy_runs,
+    native_enabled,
+    ramps,
+)
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
 from zephon_torch.types import SampleRecord
@@ -645,7 +651,7 @@ class PackingAccumulator(Accumulator):
             for s, values in values_of.items():
                 sel = segs == s if len(values_of) > 1 else slice(None)
                 copy_runs(values, src[sel], dest[sel], lengths[sel], out)
-            return {"fields": self._flat_fields(out, dest, used, num_rows)}
+            return {"fields": self._flat_fields(out, dest, lengths, used, num_rows, True)}
         # The rows laid end to end are the pieces in placement order, each row's
         # followed by its padding: one concatenate copies them all (a C-level copy
         # of each document's run, no per-token index).
@@ -661,15 +667,24 @@ class PackingAccumulator(Accumulator):
                     parts.append(padding[:pads[row]])
                 row += 1
         out = np.concatenate(parts, dtype=np.int32, casting="same_kind")
-        return {"fields": self._flat_fields(out, dest, used, num_rows)}
+        return {"fields": self._flat_fields(out, dest, lengths, used, num_rows, False)}
 
-    def _flat_fields(self, out: np.ndarray, dest: np.ndarray, used: np.ndarray,
-                     num_rows: int) -> dict[str, Any]:
+    def _flat_fields(self, out: np.ndarray, dest: np.ndarray, lengths: np.ndarray,
+                     used: np.ndarray, num_rows: int, native: bool) -> dict[str, Any]:
         """``input_ids`` of the rows laid end to end in ``out``, and their ``positions``
-        (``dest``: where each piece starts in ``out``; ``used``: each row's tokens)."""
+        (``dest``, ``lengths``: where each piece starts in ``out`` and its tokens;
+        ``used``: each row's tokens; ``native``: the compiled kernel writes them)."""
         limit = self.max_length
         fields: dict[str, Any] = {"input_ids": out.reshape(num_rows, limit)}
-        if self.emit_positions:
+        if self.emit_positions and native:
+            # One ramp per segment: the pieces, then each row's trailing padding.
+            padded = used < limit
+            positions = np.empty(num_rows * limit, dtype=np.int32)
+            ramps(dest, lengths, positions, native=True)
+            ramps(np.flatnonzero(padded) * limit + used[padded], limit - used[padded],
+                  positions, native=True)
+            fields["positions"] = positions.reshape(num_rows, limit)
+        elif self.emit_positions:
             # Each token's distance from the start of its segment (a piece, or the
             # trailing padding): the running maximum of the segment starts.
             size = num_rows * limit

@@ -537,17 +537,33 @@ class HandlePool:
         self.__init__(state["capacity"], state["close"])
 
 
-class LRUCache:
+class _Cache:
+    """What the caches share: a size, and a pickle without contents (``capacity`` only)."""
+
+    capacity: int
+    _data: OrderedDict[Any, Any]
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._data = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"capacity": self.capacity}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["capacity"])  # type: ignore[misc]
+
+
+class LRUCache(_Cache):
     """A small thread-safe LRU map; its contents are not pickled.
 
     Values are computed outside the lock (two threads may both compute a
     missing value; the result is the same and one copy wins).
     """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._data: OrderedDict[Any, Any] = OrderedDict()
-        self._lock = threading.Lock()
 
     def get(self, key: Any) -> Any:
         """The value for ``key``, or None."""
@@ -565,17 +581,9 @@ class LRUCache:
             while len(self._data) > self.capacity:
                 self._data.popitem(last=False)
 
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"capacity": self.capacity}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["capacity"])
 
 
-class ReadOnceCache:
+class ReadOnceCache(_Cache):
     """A small thread-safe LRU of decoded read units that forgets a unit once all its
     rows have been read; its contents are not pickled.
 
@@ -599,11 +607,7 @@ class ReadOnceCache:
         capacity: Units kept at most (the least recently used goes first).
     """
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        # key -> [unit, value, rows still to read]
-        self._data: OrderedDict[Any, list[Any]] = OrderedDict()
-        self._lock = threading.Lock()
+    # _data: key -> [unit, value, rows still to read]
 
     def get(self, key: Any, unit: Any) -> Any:
         """The value of ``unit`` under ``key`` if it is the one kept, else None."""
@@ -633,14 +637,6 @@ class ReadOnceCache:
             if entry[2] <= 0:
                 del self._data[key]
 
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"capacity": self.capacity}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["capacity"])
 
 
 class KeyedLocks:

@@ -157,7 +157,20 @@ def test_jsonl_read_notices_a_file_changed_after_indexing(tmp_path, cache):
     path = write_lines(tmp_path / "a.jsonl", docs(3))
     ds = zd.jsonl(path, cache_dir=cache)
     write_lines(path, docs(2))
-    with pytest.raises(ValueError, match="changed since it was indexed"):
+    with pytest.raises(ValueError, match="changed since it was indexed") as caught:
+        ds.read(0, [0])
+    message = str(caught.value)
+    assert message.count("changed since") == 1 and message.count("jsonl: ") == 1, message
+    assert "then, " in message and "restart the pipeline" in message
+
+
+def test_jsonl_read_names_a_rewrite_of_the_same_size_as_modified(tmp_path, cache):
+    path = write_lines(tmp_path / "a.jsonl", docs(3))
+    ds = zd.jsonl(path, cache_dir=cache)
+    stat = path.stat()
+    path.write_bytes(path.read_bytes().replace(b"\"d0\"", b"\"D0\""))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(ValueError, match=r"\(same size, modified since\); restart the "):
         ds.read(0, [0])
 
 

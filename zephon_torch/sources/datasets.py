@@ -495,9 +495,11 @@ class JsonlDataset(_FileDataset):
         now = handle.stat()
         if now.size != file.stat.size or (now.mtime and file.stat.mtime
                                           and now.mtime != file.stat.mtime):
+            how = (f"size {file.stat.size} then, {now.size} now" if now.size != file.stat.size
+                   else "same size, modified since")
             raise DataChangedError(
-                f"jsonl: {file.path!r} changed since it was indexed (size {file.stat.size} "
-                f"then, {now.size} now); restart the pipeline to re-index it")
+                f"jsonl: {file.path!r} changed since it was indexed ({how}); restart the "
+                "pipeline to re-index it")
         if edge_digest(handle, now.size) != file.edges:
             raise DataChangedError(
                 f"jsonl: {file.path!r} changed since it was indexed (same size, different "
@@ -546,6 +548,8 @@ class JsonlDataset(_FileDataset):
                     out[position] = lines[k]
         except DataChangedError as exc:
             self._forget_index(shard_id)
+            if str(exc).startswith("jsonl: "):  # found when opening: it says it all
+                raise
             raise DataChangedError(
                 f"jsonl: {exc}: the file changed since it was indexed (rewritten, perhaps "
                 "keeping its size and modification time); its cached index is removed, "

@@ -335,6 +335,14 @@ class _BlockBytes:
         return self.data[start:start + size]
 
 
+def _rewritten(found: str) -> DataChangedError:
+    """The error for JSONL bytes that no longer fit the file's line index."""
+    return DataChangedError(
+        f"jsonl: {found}: the file changed since it was indexed (rewritten, perhaps keeping "
+        "its size and modification time); its cached index is removed, restart the pipeline "
+        "to index it again")
+
+
 class JsonlDataset(_FileDataset):
     """JSON Lines files: one sample per non-blank line.
 
@@ -541,19 +549,17 @@ class JsonlDataset(_FileDataset):
             for block in used[np.argsort(first_use)].tolist():
                 where = np.flatnonzero(in_block == block)
                 unique, inverse = np.unique(ids[where], return_inverse=True)
-                lines = read_lines_at(self._block(shard_id, block, offsets, starts), offsets,
-                                      file.stat.size, unique, line_end)
+                view = self._block(shard_id, block, offsets, starts)
+                try:
+                    lines = read_lines_at(view, offsets, file.stat.size, unique, line_end)
+                except DataChangedError as exc:
+                    raise _rewritten(str(exc)) from None
                 self._last_block.spend(shard_id, block, where.size)
                 for position, k in zip(where.tolist(), inverse.reshape(-1).tolist()):
                     out[position] = lines[k]
-        except DataChangedError as exc:
+        except DataChangedError:
             self._forget_index(shard_id)
-            if str(exc).startswith("jsonl: "):  # found when opening: it says it all
-                raise
-            raise DataChangedError(
-                f"jsonl: {exc}: the file changed since it was indexed (rewritten, perhaps "
-                "keeping its size and modification time); its cached index is removed, "
-                "restart the pipeline to index it again") from None
+            raise
         return out
 
     def _block(self, shard_id: int, block: int, offsets: np.ndarray,
@@ -575,7 +581,7 @@ class JsonlDataset(_FileDataset):
             handle = self._handles.get(shard_id, lambda: self._open(shard_id))
             data = handle.read_at(lo, hi - lo)
             if len(data) < hi - lo:
-                raise DataChangedError(f"{file.path!r} is shorter than its line index says")
+                raise _rewritten(f"{file.path!r} is shorter than its line index says")
             view = _BlockBytes(file.path, block, lo, data)
             stop = (int(starts[block + 1]) if block + 1 < len(starts)
                     else self._shards[shard_id].num_samples)

@@ -487,7 +487,10 @@ def _generated_fields(
     ``return_labels`` is just a payload field. ``positions`` (in "preserve"
     mode) and a raw ``loss_mask`` (without labels) are payload fields that are
     surfaced anyway, so listing them is harmless; a label-aligned ``loss_mask``
-    needs ``return_labels``, where listing it is refused earlier.
+    needs ``return_labels``, where listing it is refused earlier. Under
+    ``position_mode="sequence"`` a listed ``positions`` is accepted too (as
+    the reference does): the generated per-row numbering is the one output,
+    never duplicated or overwritten by the payload field.
     """
     generated = {name: "always generated" for name in ("ids", "texts", "input_ids")}
     if return_labels:
@@ -499,8 +502,6 @@ def _generated_fields(
             generated[name] = "generated because return_cu_seqlens=True"
     if return_padding_mask:
         generated["padding_mask"] = "generated because return_padding_mask=True"
-    if position_mode == "sequence":
-        generated["positions"] = "generated because position_mode='sequence'"
     return generated
 
 
@@ -827,16 +828,6 @@ class _Gathered:
             if row.ndim != 1 or row.dtype.kind not in "iu":
                 row = _check_token_row(record, row, self.token_source)
             rows.append(row)
-        if not dicts and field_name != "auto":
-            # Refused after the loop, so that a batch mixing dicts and arrays gets its
-            # own (TypeError) message first.
-            raise ValueError(
-                f"tokens_field={field_name!r} names a payload field, but the payloads are "
-                f"bare token arrays (record {records[0].meta.sample_id} holds a "
-                f"{type(payloads[0]).__name__}), which have no fields; leave "
-                "tokens_field='auto' to take each array as the token row, or give the "
-                f"records dict payloads with a {field_name!r} field"
-            )
         return rows
 
     def stack(self, rows: list[np.ndarray], part: slice,

@@ -647,13 +647,17 @@ class SampleBatch:
         (``"sequence"``).
 
         Args:
-            tokens_field: Field holding the token ids, or ``"auto"``.
+            tokens_field: Field holding the token ids, or ``"auto"``. Bare
+                array payloads are the token rows themselves: the name is
+                ignored for them.
             return_labels: Shift tokens into ``input_ids``/``labels``.
             dtype: ``"auto"`` (torch.long if torch imports, else numpy int64),
                 ``None`` (Python lists), a torch dtype (tensors) or a numpy
                 dtype (arrays). Applies to token-like integer fields.
             extra_fields: More per-token payload fields to stack; sliced like
-                ``input_ids`` when labels are returned.
+                ``input_ids`` when labels are returned. ``positions`` may be
+                listed in either ``position_mode`` and comes out once (the
+                generated numbering under ``"sequence"``).
             ignore_index: Label value ignored by the loss.
             rename_fields: ``{emitted_key: new_key}``, applied before exclusion.
             flatten: Flatten sequence fields from ``[B, S]`` to ``[B * S]``

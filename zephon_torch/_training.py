@@ -48,6 +48,7 @@ from zephon_torch._training_native import (
     kernel_enabled,
     native_plan,
 )
+from zephon_torch.token_ids import first_outside, id_range_error
 from zephon_torch.vocab import PACKING_METADATA_TAG, find_token_field
 
 __all__ = ["batch_to_training"]
@@ -142,6 +143,7 @@ def batch_to_training(
     extra_fields, exclude_fields, fmt, native = plan
     columns = getattr(records, "columns", None)
     if columns is not None and not extra_fields and fmt.kind != "list":
+        _check_column_fits(columns, records, tokens_field, fmt.work_dtype)
         enabled = _native._enabled
         if enabled is None:
             enabled = kernel_enabled()  # decided at the first call; warns if not built
@@ -171,6 +173,7 @@ def batch_to_training(
         return _rename_and_exclude(out, rename_fields, exclude_fields, allow_missing=True)
 
     batch = _Gathered(records, tokens_field)
+    batch.check_fits(fmt.work_dtype)
     if not batch.uniform and not flatten and fmt.kind != "list":
         raise ValueError(
             f"token rows have different lengths ({_preview(batch.lengths)}) and cannot be "
@@ -830,6 +833,16 @@ class _Gathered:
             rows.append(row)
         return rows
 
+    def check_fits(self, work: np.dtype) -> None:
+        """Refuse a token id the output dtype cannot hold (only where it is narrower)."""
+        for record, row in zip(self.records, self.tokens):
+            bounds = _narrowing(row.dtype, work)
+            if bounds is not None:
+                where = first_outside(row, *bounds)
+                if where is not None:
+                    raise _fit_error(record.meta.sample_id, int(row[where]), where, bounds,
+                                     work)
+
     def stack(self, rows: list[np.ndarray], part: slice,
               dtype: np.dtype | None = None) -> np.ndarray:
         """Stack ``row[part]`` of every row; ragged rows are zero-padded on the right."""
@@ -929,6 +942,43 @@ class _Gathered:
                     "writes them), never truncated here: fix what produced them, or cast "
                     "them with .astype(np.int64) if they are whole numbers"
                 )
+
+
+def _narrowing(source: np.dtype, work: np.dtype) -> tuple[int, int] | None:
+    """The range to check when integer ids of ``source`` become ``work`` (None: all fit)."""
+    if source.kind not in "iu" or work.kind not in "iu" or np.can_cast(source, work, "safe"):
+        return None
+    info = np.iinfo(work)
+    return int(info.min), int(info.max)
+
+
+def _fit_error(sample_id: Any, value: int, position: int, bounds: tuple[int, int],
+               work: np.dtype) -> ValueError:
+    return id_range_error(
+        f"to_training: record {sample_id}", value, position, bounds[0], bounds[1],
+        f"the output dtype {work} cannot hold it, and a token id is never wrapped: use "
+        "dtype='auto' (int64), or a dtype that holds your vocabulary")
+
+
+def _check_column_fits(columns: Mapping[str, Any], rows: Any, tokens_field: str,
+                       work: np.dtype) -> None:
+    """The token column of a block's batch, checked like :meth:`_Gathered.check_fits`
+    (one vectorised min/max, and only where the output dtype is narrower)."""
+    name = tokens_field
+    if name == "auto":
+        name = next((f for f in ("input_ids", "tokens", "token_ids", "ids") if f in columns),
+                    None)
+    tokens = columns.get(name) if name is not None else None
+    if type(tokens) is not np.ndarray or tokens.ndim != 2:
+        return  # the general path gathers (and checks) the rows
+    bounds = _narrowing(tokens.dtype, work)
+    if bounds is None:
+        return
+    flat = tokens.reshape(-1)
+    where = first_outside(flat, *bounds)
+    if where is not None:
+        row, col = divmod(where, tokens.shape[1])
+        raise _fit_error(rows.sample_ids[row], int(flat[where]), col, bounds, work)
 
 
 def _integer_padding(record: Any, pad: Any) -> int:
@@ -1178,6 +1228,7 @@ def _hf_from_columns(records: Any, tokens_field: str, needs_rows: bool) -> _HfRo
     if len(pad) != count or (count and (pad.min() < 0 or pad.max() > width)):
         return None  # the general path names the record
     loss, positions = found
+    _check_column_fits(columns, records, tokens_field, np.dtype(np.int64))
     return (tokens.astype(np.int64), np.full(count, width, dtype=np.int64), pad, loss,
             None if positions is None else positions.astype(np.int64), None)
 
@@ -1185,6 +1236,7 @@ def _hf_from_columns(records: Any, tokens_field: str, needs_rows: bool) -> _HfRo
 def _hf_gather(records: Sequence[Any], tokens_field: str) -> _HfRows:
     """The general path: every row validated (and named in errors) by :class:`_Gathered`."""
     batch = _Gathered(records, tokens_field)
+    batch.check_fits(np.dtype(np.int64))
     tokens = batch.stack(batch.tokens, _WHOLE, np.dtype(np.int64))
     pad = np.array(batch.padding_lengths(), dtype=np.int64)
     loss_rows = batch.field_rows("loss_mask", required=False, scalar=True)

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from zephon_torch import _training_native as _native
+from zephon_torch._pieces import PIECE_IDS, piece_ids
 from zephon_torch._training_native import (
     INTEGER_TYPES,
     NativePlan,
@@ -82,8 +83,19 @@ def batch_to_training(
     device: Any,
     pin_memory: bool,
     format: str | None = None,
+    return_piece_ids: bool = False,
 ) -> dict[str, Any]:
     """Implementation of :meth:`zephon_torch.types.SampleBatch.to_training`."""
+    if return_piece_ids is not False:
+        return _with_piece_ids(
+            records, return_piece_ids, tokens_field=tokens_field, return_labels=return_labels,
+            dtype=dtype, extra_fields=extra_fields, ignore_index=ignore_index,
+            rename_fields=rename_fields, flatten=flatten, exclude_fields=exclude_fields,
+            return_num_valid_tokens=return_num_valid_tokens,
+            return_loss_mask=return_loss_mask, return_cu_seqlens=return_cu_seqlens,
+            return_padding_mask=return_padding_mask, eos_mask_loss=eos_mask_loss,
+            eos_token_id=eos_token_id, position_mode=position_mode, device=device,
+            pin_memory=pin_memory, format=format)
     if format is not None:
         if format != "hf":
             raise ValueError(
@@ -257,6 +269,37 @@ def batch_to_training(
 
     out = _rename_and_exclude(out, rename_fields, exclude_fields, allow_missing=False)
     return fmt.place(out)
+
+
+def _with_piece_ids(records: Sequence[Any], flag: Any, *, format: str | None,
+                    rename_fields: Mapping[str, str] | None, **options: Any) -> dict[str, Any]:
+    """The output of the other options, plus ``piece_ids`` (see :mod:`zephon_torch._pieces`)."""
+    if flag is not True:
+        raise ValueError(f"return_piece_ids must be True or False, got {flag!r}")
+    if format is not None:
+        raise ValueError(
+            f"format={format!r} does not take return_piece_ids=True: the model's forward "
+            "takes no such argument; leave format=None to get piece_ids next to the tensors"
+        )
+    if PIECE_IDS in _field_names("extra_fields", options["extra_fields"]):
+        raise ValueError(
+            f"extra field {PIECE_IDS!r} would overwrite the generated output field "
+            f"{PIECE_IDS!r} (generated because return_piece_ids=True); rename the payload "
+            "field, or leave it out of extra_fields"
+        )
+    pieces = piece_ids(records, options["tokens_field"]) if len(records) else []
+    inner = (None if rename_fields is None else
+             {k: v for k, v in rename_fields.items() if k != PIECE_IDS})
+    out = batch_to_training(records, rename_fields=inner, **options)
+    name = rename_fields.get(PIECE_IDS, PIECE_IDS) if rename_fields else PIECE_IDS
+    if name in out:
+        raise ValueError(
+            f"rename_fields produces the output name {name!r} twice (from {PIECE_IDS!r}); "
+            "final names must be unique"
+        )
+    if name not in _field_names("exclude_fields", options["exclude_fields"]):
+        out[name] = pieces
+    return out
 
 
 def _from_columns(

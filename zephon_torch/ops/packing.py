@@ -69,6 +69,13 @@ boundary is split the same way (children in emission order). A document of no
 tokens becomes a tombstone (reason ``"empty"``), and tombstones arriving from
 upstream pass straight through, in order.
 
+Token ids are checked as documents arrive (one vectorised minimum/maximum
+per block of a ragged token column): a negative id is an error in both
+packers (no vocabulary has one; ``-100`` is the labels' ignore index), and so
+is an id above ``2**31 - 1`` in ``pack_flat``, whose rows are int32. The
+error names the value, the sample, its file and row; an id is never wrapped.
+``pack_sequences`` keeps each document's own array, so int64 ids stay exact.
+
 Accounting of a packed record: its meta is ``first_piece_meta.child(0)``
 (unique, because a piece heads at most one row) with one
 :class:`~zephon_torch.types.ContributorRef` per piece. Only the piece that
@@ -992,7 +999,8 @@ class PackFlat(_PackOperator):
             algorithm: the packer holds the window's documents.
 
     Raises:
-        ValueError: A parameter out of range or an unknown mode.
+        ValueError: A parameter out of range or an unknown mode; while
+            running, a token id outside ``0..2**31 - 1`` (never wrapped).
     """
 
     name: ClassVar[str] = "pack_flat"
@@ -1049,7 +1057,8 @@ class PackSequences(_PackOperator):
             4096); only for that algorithm.
 
     Raises:
-        ValueError: A parameter out of range or an unknown mode.
+        ValueError: A parameter out of range or an unknown mode; while
+            running, a negative token id.
     """
 
     name: ClassVar[str] = "pack_sequences"

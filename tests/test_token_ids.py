@@ -178,3 +178,14 @@ def test_to_training_passes_negative_ids_through_untouched(make):
              else _block_batch(rows))
     assert batch.to_training()["input_ids"].tolist() == rows
     assert batch.to_training(dtype=torch.int32)["input_ids"].tolist() == rows
+
+
+@pytest.mark.parametrize("bad", [2**31, 2**64 + 3, -7])
+def test_list_payloads_are_checked_whatever_the_size_of_the_id(bad):
+    # Lists of Python ints take the packers' general path; an id beyond int64 stays a
+    # Python int there.
+    pipe = (zt.Pipeline.from_items([{"input_ids": [1, 2, 3]}, {"input_ids": [4, bad, 6]}])
+            .pack_flat(8).batch(1, drop_last=False))
+    with pytest.raises(ValueError, match=rf"pack_flat: sample \(0, 0, 1\) \(items\[1\]\): "
+                                         rf"token id {bad} at position 1"):
+        _run(pipe)

@@ -60,7 +60,14 @@ def values_outside(tokens: Any, low: int | None, high: int | None) -> tuple[int,
         array = tokens.detach().cpu().numpy()
         where = first_outside(array.reshape(-1), low, high)
         return None if where is None else (where, int(array.reshape(-1)[where]))
-    for i, value in enumerate(tokens):
+    try:
+        array = np.asarray(tokens)
+    except (ValueError, TypeError, OverflowError):
+        array = None
+    if array is not None and array.ndim == 1 and array.dtype.kind in "iu":
+        where = first_outside(array, low, high)  # ids within int64: one vectorised pass
+        return None if where is None else (where, int(array[where]))
+    for i, value in enumerate(tokens):  # Python ints beyond int64, or a row to refuse later
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and (
                 (low is not None and value < low) or (high is not None and value > high)):
             return i, int(value)

@@ -162,7 +162,6 @@ _GENERATING = [
     ("cu_seqlens", {"return_cu_seqlens": True}, "return_cu_seqlens=True"),
     ("max_seqlen", {"return_cu_seqlens": True}, "return_cu_seqlens=True"),
     ("padding_mask", {"return_padding_mask": True}, "return_padding_mask=True"),
-    ("positions", {"position_mode": "sequence"}, "position_mode='sequence'"),
 ]
 
 
@@ -180,6 +179,32 @@ def test_an_extra_field_may_not_overwrite_an_output_this_call_generates(field, k
     with pytest.raises(ValueError, match=rf"extra field '{field}' would overwrite the generated "
                                          rf"output field '{field}' \(.*{why}"):
         b.to_training(extra_fields=(field,), **kwargs)
+
+
+@pytest.mark.parametrize("payload_positions", [True, False])
+@pytest.mark.parametrize("return_labels", [False, True])
+@pytest.mark.parametrize("dtype", ["auto", None])
+def test_positions_listed_with_position_mode_sequence_come_out_once_per_row(
+        payload_positions, return_labels, dtype):
+    # The reference accepts this: the field is not duplicated and the positions are the
+    # generated per-row numbering, not the payload's.
+    rows = [{"input_ids": arr(1, 2, 3, 4) + 10 * i} for i in range(2)]
+    if payload_positions:
+        for row in rows:
+            row["positions"] = arr(0, 1, 0, 1)
+    out = batch(*rows).to_training(extra_fields=("positions",), position_mode="sequence",
+                                   return_labels=return_labels, dtype=dtype)
+    width = 3 if return_labels else 4
+    positions = out["positions"] if dtype is None else out["positions"].tolist()
+    assert positions == [list(range(width))] * 2
+    assert list(out).count("positions") == 1
+    assert set(out) == {"ids", "texts", "input_ids", "positions",
+                        *(("labels",) if return_labels else ())}
+
+
+def test_positions_listed_with_position_mode_sequence_on_an_empty_batch():
+    out = SampleBatch([]).to_training(extra_fields=("positions",), position_mode="sequence")
+    assert out == {"ids": [], "texts": [], "positions": []}
 
 
 @pytest.mark.parametrize(
@@ -462,13 +487,17 @@ def test_bool_token_rows_are_refused_not_read_as_ids_0_and_1(payload, source):
 @pytest.mark.parametrize("payloads", [[arr(1, 2, 3), arr(4, 5, 6)], [[1, 2, 3], [4, 5, 6]],
                                       [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])]],
                          ids=["numpy", "list", "tensor"])
-def test_an_explicit_tokens_field_over_bare_arrays_is_refused_not_ignored(payloads):
+def test_an_explicit_tokens_field_over_bare_arrays_is_ignored_as_the_reference_does(payloads):
+    # A bare array has no fields: it is the token row whatever tokens_field names (the
+    # reference implementation's behaviour; the types page does not decide it).
     b = batch(*payloads)
-    with pytest.raises(ValueError, match=r"tokens_field='input_ids' names a payload field, but "
-                                         r"the payloads are bare token arrays \(record "
-                                         r"\(0, 0, 0\) holds a \w+\), which have no fields"):
-        b.to_training(tokens_field="input_ids")
-    assert b.to_training(dtype=None)["input_ids"] == [[1, 2, 3], [4, 5, 6]]  # "auto" reads them
+    expected = b.to_training(dtype=None)
+    for name in ("input_ids", "tokens", "any_name"):
+        assert b.to_training(tokens_field=name, dtype=None) == expected
+    assert expected["input_ids"] == [[1, 2, 3], [4, 5, 6]]
+    labelled = b.to_training(tokens_field="input_ids", return_labels=True)
+    assert labelled["input_ids"].tolist() == [[1, 2], [4, 5]]
+    assert labelled["labels"].tolist() == [[2, 3], [5, 6]]
 
 
 def test_an_explicit_tokens_field_over_mixed_payloads_is_still_the_mixing_type_error():

@@ -68,7 +68,7 @@ def packed_batches(draw: st.DrawFn) -> BlockBatch:
     token_dtype = _rare(draw, draw(st.sampled_from([np.int32, np.int64])), np.int16, np.uint32)
     tokens = rng.integers(-4, 12, size=(rows, width))
     if token_dtype is np.int64 and draw(st.booleans()):
-        tokens[rng.random((rows, width)) < 0.2] = 2**40 + 3  # wraps in int32 outputs
+        tokens[rng.random((rows, width)) < 0.2] = 2**40 + 3  # refused by int32 outputs
     if draw(st.booleans()):
         tokens[rng.random((rows, width)) < 0.2] = draw(st.sampled_from(IGNORES[:4]))
     name = _rare(draw, "input_ids", "tokens", "ids")

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from zephon_torch import _training_native as _native
+from zephon_torch._pieces import PIECE_IDS, piece_ids
 from zephon_torch._training_native import (
     INTEGER_TYPES,
     NativePlan,
@@ -48,6 +49,7 @@ from zephon_torch._training_native import (
     kernel_enabled,
     native_plan,
 )
+from zephon_torch.token_ids import first_outside, id_range_error
 from zephon_torch.vocab import PACKING_METADATA_TAG, find_token_field
 
 __all__ = ["batch_to_training"]
@@ -81,8 +83,19 @@ def batch_to_training(
     device: Any,
     pin_memory: bool,
     format: str | None = None,
+    return_piece_ids: bool = False,
 ) -> dict[str, Any]:
     """Implementation of :meth:`zephon_torch.types.SampleBatch.to_training`."""
+    if return_piece_ids is not False:
+        return _with_piece_ids(
+            records, return_piece_ids, tokens_field=tokens_field, return_labels=return_labels,
+            dtype=dtype, extra_fields=extra_fields, ignore_index=ignore_index,
+            rename_fields=rename_fields, flatten=flatten, exclude_fields=exclude_fields,
+            return_num_valid_tokens=return_num_valid_tokens,
+            return_loss_mask=return_loss_mask, return_cu_seqlens=return_cu_seqlens,
+            return_padding_mask=return_padding_mask, eos_mask_loss=eos_mask_loss,
+            eos_token_id=eos_token_id, position_mode=position_mode, device=device,
+            pin_memory=pin_memory, format=format)
     if format is not None:
         if format != "hf":
             raise ValueError(
@@ -142,6 +155,7 @@ def batch_to_training(
     extra_fields, exclude_fields, fmt, native = plan
     columns = getattr(records, "columns", None)
     if columns is not None and not extra_fields and fmt.kind != "list":
+        _check_column_fits(columns, records, tokens_field, fmt.work_dtype)
         enabled = _native._enabled
         if enabled is None:
             enabled = kernel_enabled()  # decided at the first call; warns if not built
@@ -171,6 +185,7 @@ def batch_to_training(
         return _rename_and_exclude(out, rename_fields, exclude_fields, allow_missing=True)
 
     batch = _Gathered(records, tokens_field)
+    batch.check_fits(fmt.work_dtype)
     if not batch.uniform and not flatten and fmt.kind != "list":
         raise ValueError(
             f"token rows have different lengths ({_preview(batch.lengths)}) and cannot be "
@@ -254,6 +269,37 @@ def batch_to_training(
 
     out = _rename_and_exclude(out, rename_fields, exclude_fields, allow_missing=False)
     return fmt.place(out)
+
+
+def _with_piece_ids(records: Sequence[Any], flag: Any, *, format: str | None,
+                    rename_fields: Mapping[str, str] | None, **options: Any) -> dict[str, Any]:
+    """The output of the other options, plus ``piece_ids`` (see :mod:`zephon_torch._pieces`)."""
+    if flag is not True:
+        raise ValueError(f"return_piece_ids must be True or False, got {flag!r}")
+    if format is not None:
+        raise ValueError(
+            f"format={format!r} does not take return_piece_ids=True: the model's forward "
+            "takes no such argument; leave format=None to get piece_ids next to the tensors"
+        )
+    if PIECE_IDS in _field_names("extra_fields", options["extra_fields"]):
+        raise ValueError(
+            f"extra field {PIECE_IDS!r} would overwrite the generated output field "
+            f"{PIECE_IDS!r} (generated because return_piece_ids=True); rename the payload "
+            "field, or leave it out of extra_fields"
+        )
+    pieces = piece_ids(records, options["tokens_field"]) if len(records) else []
+    inner = (None if rename_fields is None else
+             {k: v for k, v in rename_fields.items() if k != PIECE_IDS})
+    out = batch_to_training(records, rename_fields=inner, **options)
+    name = rename_fields.get(PIECE_IDS, PIECE_IDS) if rename_fields else PIECE_IDS
+    if name in out:
+        raise ValueError(
+            f"rename_fields produces the output name {name!r} twice (from {PIECE_IDS!r}); "
+            "final names must be unique"
+        )
+    if name not in _field_names("exclude_fields", options["exclude_fields"]):
+        out[name] = pieces
+    return out
 
 
 def _from_columns(
@@ -487,7 +533,10 @@ def _generated_fields(
     ``return_labels`` is just a payload field. ``positions`` (in "preserve"
     mode) and a raw ``loss_mask`` (without labels) are payload fields that are
     surfaced anyway, so listing them is harmless; a label-aligned ``loss_mask``
-    needs ``return_labels``, where listing it is refused earlier.
+    needs ``return_labels``, where listing it is refused earlier. Under
+    ``position_mode="sequence"`` a listed ``positions`` is accepted too (as
+    the reference does): the generated per-row numbering is the one output,
+    never duplicated or overwritten by the payload field.
     """
     generated = {name: "always generated" for name in ("ids", "texts", "input_ids")}
     if return_labels:
@@ -499,8 +548,6 @@ def _generated_fields(
             generated[name] = "generated because return_cu_seqlens=True"
     if return_padding_mask:
         generated["padding_mask"] = "generated because return_padding_mask=True"
-    if position_mode == "sequence":
-        generated["positions"] = "generated because position_mode='sequence'"
     return generated
 
 
@@ -827,17 +874,17 @@ class _Gathered:
             if row.ndim != 1 or row.dtype.kind not in "iu":
                 row = _check_token_row(record, row, self.token_source)
             rows.append(row)
-        if not dicts and field_name != "auto":
-            # Refused after the loop, so that a batch mixing dicts and arrays gets its
-            # own (TypeError) message first.
-            raise ValueError(
-                f"tokens_field={field_name!r} names a payload field, but the payloads are "
-                f"bare token arrays (record {records[0].meta.sample_id} holds a "
-                f"{type(payloads[0]).__name__}), which have no fields; leave "
-                "tokens_field='auto' to take each array as the token row, or give the "
-                f"records dict payloads with a {field_name!r} field"
-            )
         return rows
+
+    def check_fits(self, work: np.dtype) -> None:
+        """Refuse a token id the output dtype cannot hold (only where it is narrower)."""
+        for record, row in zip(self.records, self.tokens):
+            bounds = _narrowing(row.dtype, work)
+            if bounds is not None:
+                where = first_outside(row, *bounds)
+                if where is not None:
+                    raise _fit_error(record.meta.sample_id, int(row[where]), where, bounds,
+                                     work)
 
     def stack(self, rows: list[np.ndarray], part: slice,
               dtype: np.dtype | None = None) -> np.ndarray:
@@ -938,6 +985,43 @@ class _Gathered:
                     "writes them), never truncated here: fix what produced them, or cast "
                     "them with .astype(np.int64) if they are whole numbers"
                 )
+
+
+def _narrowing(source: np.dtype, work: np.dtype) -> tuple[int, int] | None:
+    """The range to check when integer ids of ``source`` become ``work`` (None: all fit)."""
+    if source.kind not in "iu" or work.kind not in "iu" or np.can_cast(source, work, "safe"):
+        return None
+    info = np.iinfo(work)
+    return int(info.min), int(info.max)
+
+
+def _fit_error(sample_id: Any, value: int, position: int, bounds: tuple[int, int],
+               work: np.dtype) -> ValueError:
+    return id_range_error(
+        f"to_training: record {sample_id}", value, position, bounds[0], bounds[1],
+        f"the output dtype {work} cannot hold it, and a token id is never wrapped: use "
+        "dtype='auto' (int64), or a dtype that holds your vocabulary")
+
+
+def _check_column_fits(columns: Mapping[str, Any], rows: Any, tokens_field: str,
+                       work: np.dtype) -> None:
+    """The token column of a block's batch, checked like :meth:`_Gathered.check_fits`
+    (one vectorised min/max, and only where the output dtype is narrower)."""
+    name = tokens_field
+    if name == "auto":
+        name = next((f for f in ("input_ids", "tokens", "token_ids", "ids") if f in columns),
+                    None)
+    tokens = columns.get(name) if name is not None else None
+    if type(tokens) is not np.ndarray or tokens.ndim != 2:
+        return  # the general path gathers (and checks) the rows
+    bounds = _narrowing(tokens.dtype, work)
+    if bounds is None:
+        return
+    flat = tokens.reshape(-1)
+    where = first_outside(flat, *bounds)
+    if where is not None:
+        row, col = divmod(where, tokens.shape[1])
+        raise _fit_error(rows.sample_ids[row], int(flat[where]), col, bounds, work)
 
 
 def _integer_padding(record: Any, pad: Any) -> int:
@@ -1187,6 +1271,7 @@ def _hf_from_columns(records: Any, tokens_field: str, needs_rows: bool) -> _HfRo
     if len(pad) != count or (count and (pad.min() < 0 or pad.max() > width)):
         return None  # the general path names the record
     loss, positions = found
+    _check_column_fits(columns, records, tokens_field, np.dtype(np.int64))
     return (tokens.astype(np.int64), np.full(count, width, dtype=np.int64), pad, loss,
             None if positions is None else positions.astype(np.int64), None)
 
@@ -1194,6 +1279,7 @@ def _hf_from_columns(records: Any, tokens_field: str, needs_rows: bool) -> _HfRo
 def _hf_gather(records: Sequence[Any], tokens_field: str) -> _HfRows:
     """The general path: every row validated (and named in errors) by :class:`_Gathered`."""
     batch = _Gathered(records, tokens_field)
+    batch.check_fits(np.dtype(np.int64))
     tokens = batch.stack(batch.tokens, _WHOLE, np.dtype(np.int64))
     pad = np.array(batch.padding_lengths(), dtype=np.int64)
     loss_rows = batch.field_rows("loss_mask", required=False, scalar=True)

@@ -657,9 +657,16 @@ class Pipeline:
         """Chat conversations to ``input_ids`` and an assistant-only ``loss_mask``.
 
         Each sample's ``field`` is a list of ``{"role": ..., "content": ...}``
-        messages. Every rendered segment is tokenized on its own, so the
-        ``uint8`` mask lines up exactly with the tokens: 1 on assistant
-        content and the EOS closing each assistant turn, 0 elsewhere.
+        messages; the ``uint8`` mask is 1 on what the assistant writes (its
+        content and the end of each of its turns) and 0 elsewhere. How the
+        text is tokenized depends on the template. A Jinja template (the
+        model's own, or a string holding ``{%``/``{{``) is rendered as
+        transformers' ``apply_chat_template`` renders it and tokenized as
+        one text, so the ids are what the model sees at inference; the mask
+        marks the tokens that cover an assistant span. A format string or a
+        callable is rendered into segments, each tokenized on its own, so
+        the mask lines up with the tokens by construction, with the EOS the
+        operator adds after each assistant turn supervised.
 
         Args:
             tokenizer: As for :meth:`tokenize`.

@@ -613,6 +613,7 @@ class SampleBatch:
         eos_mask_loss: bool = False,
         eos_token_id: int | None = None,
         position_mode: Literal["preserve", "sequence"] = "preserve",
+        return_piece_ids: bool = False,
         device: Any = None,
         pin_memory: bool = False,
         format: Literal["hf"] | None = None,
@@ -647,13 +648,17 @@ class SampleBatch:
         (``"sequence"``).
 
         Args:
-            tokens_field: Field holding the token ids, or ``"auto"``.
+            tokens_field: Field holding the token ids, or ``"auto"``. Bare
+                array payloads are the token rows themselves: the name is
+                ignored for them.
             return_labels: Shift tokens into ``input_ids``/``labels``.
             dtype: ``"auto"`` (torch.long if torch imports, else numpy int64),
                 ``None`` (Python lists), a torch dtype (tensors) or a numpy
                 dtype (arrays). Applies to token-like integer fields.
             extra_fields: More per-token payload fields to stack; sliced like
-                ``input_ids`` when labels are returned.
+                ``input_ids`` when labels are returned. ``positions`` may be
+                listed in either ``position_mode`` and comes out once (the
+                generated numbering under ``"sequence"``).
             ignore_index: Label value ignored by the loss.
             rename_fields: ``{emitted_key: new_key}``, applied before exclusion.
             flatten: Flatten sequence fields from ``[B, S]`` to ``[B * S]``
@@ -673,6 +678,13 @@ class SampleBatch:
                 after BOS is masked too.
             eos_token_id: Nonnegative EOS id; required by ``eos_mask_loss``.
             position_mode: ``"preserve"`` or ``"sequence"``.
+            return_piece_ids: Add ``piece_ids``: for every row, a list of
+                ``(dataset, shard, local, start, stop)``, one per piece it
+                holds, in row order (a packed row holds several; ``ids``
+                names only the first): the piece's sample id and its span
+                ``row[start:stop]`` in the whole row (before the label
+                shift; padding is in no piece). Off by default, and free
+                when off. Packed rows need their ``positions``.
             device: Place every tensor on this device (``non_blocking`` when
                 the source is pinned). Needs tensor output.
             pin_memory: Pin CPU tensors before the device copy.
@@ -693,7 +705,8 @@ class SampleBatch:
         Returns:
             A dict with ``ids``, ``texts``, ``input_ids`` and, as requested,
             ``labels``, ``positions``, the extra fields, ``num_valid_tokens``,
-            ``loss_mask``, ``cu_seqlens``, ``max_seqlen``, ``padding_mask``.
+            ``loss_mask``, ``cu_seqlens``, ``max_seqlen``, ``padding_mask``,
+            ``piece_ids``.
 
         Raises:
             TypeError: Payloads neither dicts nor arrays, or a mix of both;
@@ -727,4 +740,5 @@ class SampleBatch:
             device=device,
             pin_memory=pin_memory,
             format=format,
+            return_piece_ids=return_piece_ids,
         )

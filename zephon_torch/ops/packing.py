@@ -69,6 +69,13 @@ boundary is split the same way (children in emission order). A document of no
 tokens becomes a tombstone (reason ``"empty"``), and tombstones arriving from
 upstream pass straight through, in order.
 
+Token ids are checked as documents arrive (one vectorised minimum/maximum
+per block of a ragged token column): a negative id is an error in both
+packers (no vocabulary has one; ``-100`` is the labels' ignore index), and so
+is an id above ``2**31 - 1`` in ``pack_flat``, whose rows are int32. The
+error names the value, the sample, its file and row; an id is never wrapped.
+``pack_sequences`` keeps each document's own array, so int64 ids stay exact.
+
 Accounting of a packed record: its meta is ``first_piece_meta.child(0)``
 (unique, because a piece heads at most one row) with one
 :class:`~zephon_torch.types.ContributorRef` per piece. Only the piece that
@@ -96,6 +103,7 @@ from zephon_torch.ops._binpack import (
 )
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
+from zephon_torch.token_ids import INT32_MAX, first_outside, id_range_error, values_outside
 from zephon_torch.types import SampleRecord
 from zephon_torch.vocab import AUTO_TOKEN_FIELDS, LOSS_MASK_FIELD, find_token_field
 
@@ -361,6 +369,7 @@ class PackingAccumulator(Accumulator):
         field = self._token_column(block)
         if field is not None:
             sizes = block.fields[field].lengths()
+            self._check_column(block, field)
         else:
             sizes = np.array([self._measure(block, i) for i in range(n)], dtype=np.int64)
         limit = self.max_length
@@ -423,10 +432,50 @@ class PackingAccumulator(Accumulator):
         return None
 
     def _measure(self, block: Block, row: int) -> int:
-        """The general path for one document: its token count, checked."""
+        """The general path for one document: its token count, checked (ids in range too)."""
         payload = block.payload(row)
         ids = block.ids[row].tolist()
-        return _checked_length(RowView((ids[0], ids[1], ids[2]), payload), self.tokens_field)
+        length = _checked_length(RowView((ids[0], ids[1], ids[2]), payload), self.tokens_field)
+        bad = values_outside(_tokens(payload, self.tokens_field), 0, self._id_high())
+        if bad is not None:
+            raise self._id_error((ids[0], ids[1], ids[2]), bad[1], bad[0])
+        return length
+
+    # Token ids: a packed row holds ids 0..2**31-1 (pack_flat's rows are int32;
+    # pack_sequences keeps each document's own array, so only the low bound applies).
+    #: The plan's datasets by id (set by the operator), to name a bad id's file and row.
+    datasets: Mapping[int, Any] | None = None
+
+    def _id_high(self) -> int | None:
+        return INT32_MAX if self.flat else None
+
+    def _check_column(self, block: Block, field: str) -> None:
+        """Every id of a ragged token column in range: a vectorised min/max of its values."""
+        column: Ragged = block.fields[field]
+        off = column.offsets
+        start = int(off[0])
+        where = first_outside(column.values[start:int(off[-1])], 0, self._id_high())
+        if where is None:
+            return
+        row = int(np.searchsorted(off, start + where, side="right")) - 1
+        ids = block.ids[row].tolist()
+        value = int(column.values[start + where])
+        raise self._id_error((ids[0], ids[1], ids[2]), value, start + where - int(off[row]))
+
+    def _id_error(self, sample_id: tuple[int, int, int], value: int, position: int
+                  ) -> ValueError:
+        name = "pack_flat" if self.flat else "pack_sequences"
+        where = ""
+        dataset = (self.datasets or {}).get(sample_id[0])
+        if dataset is not None:
+            try:
+                where = f" ({dataset.locate(sample_id[1], sample_id[2])})"
+            except Exception:  # a location is a courtesy: never hide the real problem
+                where = ""
+        why = ("no vocabulary has a negative id (and -100 is the labels' ignore index)"
+               if value < 0 else "pack_flat rows are int32, and a token id is never wrapped")
+        return id_range_error(f"{name}: sample {sample_id}", value, position, 0,
+                              self._id_high(), why, where)
 
     def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[Any]:
         # Flushing a placer emits every open bin and leaves it fresh: bins (or
@@ -880,13 +929,16 @@ class _PackOperator(Operator):
 
     def accumulator(self, *, deterministic: bool, ctx: OpContext) -> PackingAccumulator:
         """A fresh per-lane bin engine (it never uses the clock, so ``deterministic`` is moot)."""
-        return self._accumulator_type(
+        acc = self._accumulator_type(
             self.max_length, num_bins=self.num_bins, algorithm=self.algorithm,
             min_sequence_length=self.min_sequence_length, oversized=self.oversized,
             tokens_field=self.tokens_field,
             microbatch_size=ctx.microbatch_size or self.default_microbatch_size,
             bfd_window=self.bfd_window,
         )
+        datasets = ctx.plan.get("datasets") if ctx.plan else None
+        acc.datasets = dict(datasets) if isinstance(datasets, Mapping) else None
+        return acc
 
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
         """The accumulator emits assembled rows: nothing is left to do here."""
@@ -947,7 +999,8 @@ class PackFlat(_PackOperator):
             algorithm: the packer holds the window's documents.
 
     Raises:
-        ValueError: A parameter out of range or an unknown mode.
+        ValueError: A parameter out of range or an unknown mode; while
+            running, a token id outside ``0..2**31 - 1`` (never wrapped).
     """
 
     name: ClassVar[str] = "pack_flat"
@@ -1004,7 +1057,8 @@ class PackSequences(_PackOperator):
             4096); only for that algorithm.
 
     Raises:
-        ValueError: A parameter out of range or an unknown mode.
+        ValueError: A parameter out of range or an unknown mode; while
+            running, a negative token id.
     """
 
     name: ClassVar[str] = "pack_sequences"

@@ -123,6 +123,7 @@ def expand_paths(paths: Any, *, what: str, suffixes: Sequence[str] | None,
     Args:
         paths: A path or a list of them; each may be a glob (``data/*.jsonl``),
             a directory (its files with a supported suffix) or an fsspec URL.
+            An existing path is never a glob (see below).
         what: The source's name for messages (``"jsonl"``).
         suffixes: Supported lower-case suffixes, or None to accept any file.
         on_error: What to do with a glob match or directory entry that cannot
@@ -133,6 +134,16 @@ def expand_paths(paths: Any, *, what: str, suffixes: Sequence[str] | None,
     One file reached by several paths (``a.jsonl`` and ``./a.jsonl``, a
     symlink, a hardlink, a ``**`` glob through a symlinked folder) is kept
     once, under the path that sorts first, with a warning naming the others.
+
+    A path that exists is taken literally before any glob expansion: file
+    names may hold ``*``, ``?`` and ``[`` (``shard[1].jsonl`` is that file,
+    never ``shard1.jsonl``). When such a path would, as a glob, also match
+    other files, the existing one still wins and a warning names the others
+    (``touch data/*.jsonl`` in a shell leaves a file named ``*.jsonl``). In
+    a glob, the leading folders that exist under their own name are literal
+    too (``run[1]/*.jsonl`` lists the folder ``run[1]``); a name after a
+    wildcard is always a pattern (``glob.escape`` it to match it exactly).
+    The same holds for URLs.
 
     Raises:
         ValueError: ``paths`` is empty or not made of strings, or a file has an
@@ -161,7 +172,7 @@ def expand_paths(paths: Any, *, what: str, suffixes: Sequence[str] | None,
         if not isinstance(path, str) or not path:
             raise ValueError(f"{what}: every path must be a non-empty string, got {raw!r}")
         if is_url(path):
-            matches, bad = _expand_url(path, suffixes), []
+            matches, bad = _expand_url(path, suffixes, notes), []
         else:
             matches, bad = _expand_local(path, suffixes, what, notes)
         if not matches:
@@ -244,11 +255,54 @@ def _classify(candidates: Iterable[str]) -> tuple[list[str], list[tuple[str, str
 
 def _expand_local(path: str, suffixes: Sequence[str] | None, what: str,
                   notes: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """Files a local path names, and the entries it names that cannot be read."""
+    """Files a local path names, and the entries it names that cannot be read.
+
+    An existing path is that path, even when it holds ``*``, ``?`` or ``[``
+    (``shard[1].jsonl`` is a real name); only a path that does not exist is
+    a glob. Its leading folders that exist under their own name (``run[1]``
+    in ``run[1]/*.jsonl``) are taken literally too.
+    """
     if _has_magic(path):
-        if "**" in path:
-            return _classify(_recursive_glob(path, notes))
-        return _classify(glob.glob(path))
+        if os.path.lexists(path):
+            others = [m for m in _glob_local(path, []) if m != path]
+            _note_literal(path, others, notes)
+            return _expand_named(path, suffixes, what)
+        pattern = _escape_existing_folders(path)
+        return _classify(_glob_local(pattern, notes))
+    return _expand_named(path, suffixes, what)
+
+
+def _glob_local(pattern: str, notes: list[str]) -> list[str]:
+    if "**" in pattern:
+        return _recursive_glob(pattern, notes)
+    return glob.glob(pattern)
+
+
+def _note_literal(path: str, others: Sequence[str], notes: list[str]) -> None:
+    """Note that ``path``, an existing name that reads as a glob, is taken as named."""
+    if others:
+        shown = ", ".join(repr(o) for o in sorted(others)[:3])
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        kind = "folder" if os.path.isdir(path) else "file"
+        notes.append(f"{path!r} names an existing {kind} and is read as that {kind}; as a glob "
+                     f"it would also match {shown}{more}, which "
+                     f"{'is' if len(others) == 1 else 'are'} not read (list them too, or "
+                     f"rename the {kind}, to read them)")
+
+
+def _escape_existing_folders(pattern: str) -> str:
+    """``pattern`` with its longest leading run of folders that exist escaped for glob."""
+    parts = pattern.split(os.sep)
+    for k in range(len(parts) - 1, 0, -1):
+        prefix = os.sep.join(parts[:k])
+        if prefix and _has_magic(prefix) and os.path.isdir(prefix):
+            return os.sep.join([glob.escape(prefix), *parts[k:]])
+    return pattern
+
+
+def _expand_named(path: str, suffixes: Sequence[str] | None,
+                  what: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """Files a path that is not a glob names: itself, or a folder's files."""
     if os.path.isdir(path):
         names = sorted(os.listdir(path))
         entries = [os.path.join(path, n) for n in names if not n.startswith(".")]
@@ -342,10 +396,15 @@ def _recursive_glob(pattern: str, notes: list[str]) -> list[str]:
     return out
 
 
-def _expand_url(url: str, suffixes: Sequence[str] | None) -> list[str]:
+def _expand_url(url: str, suffixes: Sequence[str] | None, notes: list[str]) -> list[str]:
     fs, path = _url_fs(url)
     if _has_magic(path):
-        return [fs.unstrip_protocol(m) for m in fs.glob(path) if fs.isfile(m)]
+        if not fs.exists(path):
+            return [fs.unstrip_protocol(m) for m in fs.glob(path) if fs.isfile(m)]
+        # An existing object is that object, as for local paths.
+        others = [fs.unstrip_protocol(m) for m in fs.glob(path)
+                  if fs.isfile(m) and m.rstrip("/") != path.rstrip("/")]
+        _note_literal(url, others, notes)
     if fs.isdir(path):
         entries = fs.ls(path, detail=True)
         return [fs.unstrip_protocol(e["name"]) for e in entries

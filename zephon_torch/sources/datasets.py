@@ -363,6 +363,8 @@ class JsonlDataset(_FileDataset):
 
     Args:
         paths: A path, glob, directory or fsspec URL, or a list of them.
+            A path that exists is that file or folder, even with ``*``, ``?``
+            or ``[`` in its name (``shard[1].jsonl``); see ``expand_paths``.
         component_id: The mixture component this dataset feeds.
         name: Name for messages and the fingerprint (default ``"jsonl"``).
         passes: Trips over this dataset (None: the pipeline's ``passes``).
@@ -872,6 +874,8 @@ class ParquetDataset(_FileDataset):
 
     Args:
         paths: A path, glob, directory or fsspec URL, or a list of them.
+            A path that exists is that file or folder, even with ``*``, ``?``
+            or ``[`` in its name (``shard[1].jsonl``); see ``expand_paths``.
         columns: Columns to read (None: all). A str means one column.
         component_id: The mixture component this dataset feeds.
         name: Name for messages and the fingerprint (default ``"parquet"``).
@@ -1087,7 +1091,8 @@ class TextFilesDataset(_FileDataset):
 
     Args:
         paths: A path, glob, directory or fsspec URL, or a list of them (any
-            extension).
+            extension). A path that exists is that file or folder, even
+            with ``*``, ``?`` or ``[`` in its name; see ``expand_paths``.
         component_id: The mixture component this dataset feeds.
         name: Name for messages and the fingerprint (default ``"text_files"``).
         passes: Trips over this dataset (None: the pipeline's ``passes``).

@@ -539,7 +539,8 @@ class JsonlDataset(_FileDataset):
                              "order with stream(); its shard has access 'stream'")
         if not ids.size:
             return []
-        offsets = self._index(shard_id)[:, 0]
+        index = self._index(shard_id)
+        offsets, numbers = index[:, 0], index[:, 1]
         starts = self.blocks(shard_id)
         line_end = self._infos[shard_id].line_end
         in_block = np.searchsorted(starts, ids, side="right") - 1
@@ -553,7 +554,8 @@ class JsonlDataset(_FileDataset):
                 unique, inverse = np.unique(ids[where], return_inverse=True)
                 view = self._block(shard_id, block, offsets, starts)
                 try:
-                    lines = read_lines_at(view, offsets, file.stat.size, unique, line_end)
+                    lines = read_lines_at(view, offsets, file.stat.size, unique, line_end,
+                                          numbers)
                 except DataChangedError as exc:
                     raise _rewritten(str(exc)) from None
                 self._last_block.spend(shard_id, block, where.size)

@@ -27,8 +27,10 @@ plus 16 bytes per line. Example, the file ``b'{"a":1}\\n\\n  \\n{"b":2}'``::
 lines lie between). :func:`read_lines_at` therefore reads one byte range per
 window of nearby requested lines and cuts the lines out of it: one system
 call for a run of neighbours, no per-file seek state, so threads may share a
-handle. It also checks that each line starts right after a line ending, so
-an index that no longer fits its file is an error, not pieces of lines.
+handle. It also proves that each span it cuts is the one line the index
+promised (it starts right after a line ending, is not blank, and only blank
+lines follow it up to the next indexed line), so an index that no longer
+fits its file is an error, not pieces of lines or a line lost.
 
 **Line endings.** ``\n``, with an optional ``\r`` before it. A file with no
 ``\n`` at all but with ``\r`` bytes uses old Mac line endings (``\r``
@@ -991,14 +993,23 @@ def edge_digest(file: RandomAccessFile, size: int, *extra: bytes) -> str:
 
 
 def read_lines_at(file: RandomAccessFile, offsets: np.ndarray, file_size: int,
-                  ids: np.ndarray, line_end: str = "lf") -> list[bytes]:
+                  ids: np.ndarray, line_end: str = "lf",
+                  numbers: np.ndarray | None = None) -> list[bytes]:
     """The lines ``ids`` (sorted, unique) of an indexed file, without line endings.
 
     Nearby lines are read with one range read (see the module doc). Each read
-    also checks the index against the bytes: a line starts right after a line
-    ending, and every line but the last has one. A file rewritten since it was
-    indexed (even to the same size and modification time) fails that check
-    wherever a line moved, instead of handing out pieces of lines.
+    also proves that the span it cut is the line the index promised: the
+    line starts right after a line ending, holds content (it is not blank),
+    and what lies between its line ending and the next indexed line is blank
+    lines only (with ``numbers``, the index's 1-based line numbers, exactly as
+    many line endings as the numbers say). A file rewritten since it was
+    indexed (even to the same size and modification time, say one line split
+    in two) fails that check wherever it changed, instead of handing out
+    pieces of lines or losing one.
+
+    The check costs one comparison per line: a line followed directly by the
+    next has its line ending as the last byte of its span; only a span that
+    also holds blank lines has those bytes looked at.
 
     Raises:
         DataChangedError: The bytes do not fit the index (the file changed).
@@ -1009,8 +1020,12 @@ def read_lines_at(file: RandomAccessFile, offsets: np.ndarray, file_size: int,
     end_byte = end[0]
     # Line i, its line ending and any blank lines after it span [starts[i], ends[i]).
     starts = offsets[ids].tolist()
-    ends = np.where(after < n, offsets[np.minimum(after, n - 1)], file_size).tolist()
+    nxt = np.minimum(after, n - 1)
+    ends = np.where(after < n, offsets[nxt], file_size).tolist()
     followed = (after < n).tolist()
+    # Line endings from line i to the next indexed line (0: unknown, or the last line).
+    gaps = ([0] * len(starts) if numbers is None
+            else np.where(after < n, numbers[nxt] - numbers[ids], 0).tolist())
     count = len(starts)
     out: list[bytes] = []
     j = 0
@@ -1036,7 +1051,28 @@ def read_lines_at(file: RandomAccessFile, offsets: np.ndarray, file_size: int,
                     raise DataChangedError(f"{file.path!r} no longer has a line ending between "
                                            f"bytes {starts[i]} and {ends[i]}")
                 nl = hi
+            elif nl + 1 != hi or gaps[i] > 1:  # more than this line's ending: blank lines?
+                _check_blank_tail(file.path, data, nl, hi, end, gaps[i], starts[i], ends[i])
             line = data[lo:nl]
-            out.append(line if line_end == "cr" else _strip_newline(line))
+            if line_end != "cr":
+                line = _strip_newline(line)
+            if not line or line.isspace():  # stops at the first content byte
+                raise DataChangedError(f"{file.path!r} no longer has content in the line at "
+                                       f"byte {starts[i]} (it is blank now)")
+            out.append(line)
         j = last + 1
     return out
+
+
+def _check_blank_tail(path: str, data: bytes, nl: int, hi: int, end: bytes, gap: int,
+                      start: int, stop: int) -> None:
+    """Check that ``data[nl:hi]``, after a line, is blank lines only (``gap`` line endings
+    when known): the bytes between an indexed line and the next hold no other line."""
+    tail = data[nl:hi]
+    if not tail.isspace():
+        raise DataChangedError(f"{path!r} no longer holds one line between bytes {start} and "
+                               f"{stop}: another line starts inside it")
+    if gap and tail.count(end) != gap:
+        raise DataChangedError(f"{path!r} no longer holds one line between bytes {start} and "
+                               f"{stop}: {tail.count(end)} line ending(s) there, the index "
+                               f"says {gap}")

@@ -37,6 +37,7 @@ The folder is ``cache_dir`` when given, else ``$ZEPHON_CACHE_DIR``, else
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -51,6 +52,7 @@ from zephon_torch.sources.readers import FileStat, is_url
 __all__ = [
     "FORMAT_VERSION",
     "IndexInfo",
+    "cache_write_advice",
     "default_cache_dir",
     "describe_index",
     "entry_name",
@@ -191,9 +193,31 @@ def save_index(cache_dir: str, key: str, index: np.ndarray, info: IndexInfo) -> 
             _warned_dirs.add(cache_dir)
             warnings.warn(
                 f"cannot write the JSONL index cache in {cache_dir!r} ({exc}); indexes stay "
-                "in memory and are rebuilt by each process. Pass cache_dir= or set "
-                "ZEPHON_CACHE_DIR to a writable folder.",
+                f"in memory and are rebuilt by each process. {cache_write_advice(exc)}",
                 RuntimeWarning,
                 stacklevel=3,
             )
         return None
+
+
+_NO_HANDLES = (errno.EMFILE, errno.ENFILE)
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_WRITABLE = "Pass cache_dir= or set ZEPHON_CACHE_DIR to a writable folder."
+
+
+def cache_write_advice(exc: OSError) -> str:
+    """What to do about ``exc``, raised while writing an index cache entry.
+
+    The advice follows the error: a process out of file handles needs a
+    higher open-file limit (another folder would fail the same way), a full
+    disk needs space, a folder that cannot be written needs another folder.
+    """
+    if exc.errno in _NO_HANDLES:
+        return ("The process (or the system) has too many files open, the folder may be "
+                "fine: raise the open-file limit (ulimit -n, e.g. to 65536, or "
+                "resource.setrlimit(RLIMIT_NOFILE)) or keep fewer files open at once (fewer "
+                "shards, lanes or workers per process).")
+    if exc.errno in _DISK_FULL:
+        return ("The disk (or your quota) is full: free some space, or pass cache_dir= or "
+                "set ZEPHON_CACHE_DIR to a folder on another disk.")
+    return _WRITABLE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import itertools
 import json
@@ -642,3 +643,69 @@ def test_a_jsonl_pass_over_many_files_leaves_no_block_cached(tmp_path, cache):
                for line in ds.read(shard, list(range(i, min(i + 2, 7))))]
         assert got == [f"f{shard}-{i}" for i in range(7)]
         assert len(ds._last_block) == 0
+
+
+# ---------------------------------------------------------------- index cache write advice
+
+
+_FILL_FDS = r"""
+import os, resource, sys, warnings
+import numpy as np
+from zephon_torch.sources.index_cache import describe_index, save_index
+
+index = np.zeros((1, 2), dtype=np.int64)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    name = save_index(sys.argv[1], "0" * 40, index, describe_index(index, "lf"))
+for fd in held:
+    os.close(fd)
+assert name is None
+print(caught[0].message)
+"""
+
+
+def test_a_cache_write_failing_for_lack_of_file_handles_advises_the_open_file_limit(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FILL_FDS, str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    assert done.returncode == 0, done.stderr
+    message = done.stdout
+    assert "Too many open files" in message
+    assert "raise the open-file limit" in message and "ulimit -n" in message
+    assert "writable folder" not in message
+    assert (tmp_path / "cache").is_dir()  # the folder itself was fine
+
+
+@pytest.mark.parametrize(("code", "advice", "not_advice"), [
+    (errno.ENOSPC, "free some space", "writable folder"),
+    (errno.EDQUOT, "free some space", "writable folder"),
+    (errno.EROFS, "a writable folder", "open-file limit"),
+    (errno.EACCES, "a writable folder", "open-file limit"),
+    (errno.ENFILE, "raise the open-file limit", "writable folder"),
+])
+def test_the_cache_write_advice_follows_the_error(code, advice, not_advice):
+    from zephon_torch.sources.index_cache import cache_write_advice
+
+    text = cache_write_advice(OSError(code, os.strerror(code)))
+    assert advice in text and not_advice not in text
+
+
+def test_a_cache_folder_that_is_a_file_advises_a_writable_folder(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    path = write_lines(tmp_path / "a.jsonl", docs(3))
+    with pytest.warns(RuntimeWarning, match=r"cannot write the JSONL index cache .*Pass "
+                                            r"cache_dir= or set ZEPHON_CACHE_DIR to a writable "
+                                            r"folder"):
+        zd.jsonl(path, cache_dir=blocker / "sub")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import pickle
 import random
 import re
 import warnings
@@ -475,11 +476,95 @@ def test_a_middle_rewrite_with_the_same_edges_is_caught_when_read_and_indexed_ag
     rewrite_keeping_size_and_times(path, b"".join(line + b"\n" for line in swapped))
     stale = zd.jsonl(str(path), on_error="skip")  # same path, size, mtime, edges: stale entry
     pipe = Pipeline.from_sources([stale], num_lanes=1, shuffle=False).fetch().decode_text()
-    with pytest.raises(DataChangedError, match=r"big\.jsonl' no longer has a line starting at "
-                                               r"byte .*its cached index is removed"):
+    with pytest.raises(DataChangedError, match=r"big\.jsonl' no longer (has a line starting at "
+                                               r"byte|holds one line between bytes) .*its "
+                                               r"cached index is removed"):
         list(pipe.iter(runner="inline"))
     fresh = zd.jsonl(str(path))
     assert fresh.read(0, range(400)) == swapped
+
+
+def split_line_keeping_size(line: bytes, new_id: int, end: bytes) -> bytes:
+    """``line`` cut into two documents (the second has id ``new_id``), same byte count."""
+    head = json.dumps({"id": json.loads(line)["id"], "text": "a"}).encode() + end
+    shell = json.dumps({"id": new_id, "text": ""}).encode()
+    pad = len(line) - len(head) - len(shell)
+    assert pad >= 0
+    return head + json.dumps({"id": new_id, "text": "x" * pad}).encode()
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
+def test_a_same_size_rewrite_splitting_one_line_in_two_is_not_a_lost_line(tmp_path, end):
+    lines = doc_lines(400)
+    path = write(tmp_path / "big.jsonl", lines, end)
+    assert zd.jsonl(str(path)).shards()[0].num_samples == 400  # indexed and cached
+    changed = list(lines)
+    changed[200] = split_line_keeping_size(lines[200], 400, end)
+    rewrite_keeping_size_and_times(path, b"".join(line + end for line in changed))
+    assert path.read_bytes()[:2048] == b"".join(line + end for line in lines)[:2048]
+    stale = zd.jsonl(str(path))  # same path, size, mtime and edges: the cached index
+    pipe = Pipeline.from_sources([stale], num_lanes=1, shuffle=False).fetch().decode_text()
+    with pytest.raises(DataChangedError, match=r"big\.jsonl' no longer holds one line between "
+                                               r"bytes .*its cached index is removed"):
+        ids_delivered(pipe)
+    fresh = Pipeline.from_jsonl(str(path), num_lanes=1, shuffle=False).fetch().decode_text()
+    assert ids_delivered(fresh) == [*range(201), 400, *range(201, 400)]
+
+
+@pytest.mark.parametrize("change", ["blank_to_content", "content_to_blank", "blank_removed"])
+def test_a_same_size_rewrite_of_blank_lines_is_caught_when_read(tmp_path, change):
+    lines = doc_lines(400)  # the changes lie outside the first and last 4 KiB
+    body = [line + b"\n" for line in lines]
+    body[200] += b"  \n"  # a blank line after line 201
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b"".join(body))
+    ds = zd.jsonl(str(path))
+    assert ds.locate(0, 201) == f"{path} line 203"
+    if change == "blank_to_content":  # a new document where a blank line was
+        body[200] = lines[200] + b"\n{}\n"
+    elif change == "content_to_blank":  # a document gone
+        body[210] = b" " * len(lines[210]) + b"\n"
+    else:  # the blank line folded into its neighbour: later lines are numbered one less
+        body[200] = lines[200] + b"   \n"
+    rewrite_keeping_size_and_times(path, b"".join(body))
+    stale = zd.jsonl(str(path))
+    with pytest.raises(DataChangedError, match="the file changed since it was indexed"):
+        stale.read(0, range(400))
+    fresh = zd.jsonl(str(path))
+    expected = {"blank_to_content": 401, "content_to_blank": 399, "blank_removed": 400}[change]
+    assert fresh.shards()[0].num_samples == expected
+
+
+def cached_entries(cache: Path) -> list[Path]:
+    return sorted(cache.glob("*.npy"))
+
+
+def delete_a_row(entry: Path, row: int) -> None:
+    index = np.load(entry)
+    np.save(entry, np.delete(index, row, axis=0))
+
+
+def test_a_cached_index_missing_a_row_is_indexed_again(tmp_path, _cache):
+    lines = doc_lines(400)
+    path = write(tmp_path / "big.jsonl", lines)
+    zd.jsonl(str(path))
+    (entry,) = cached_entries(_cache)
+    delete_a_row(entry, 100)
+    again = zd.jsonl(str(path))
+    assert again.shards()[0].num_samples == 400
+    assert again.read(0, range(400)) == lines
+    pipe = Pipeline.from_sources([again], num_lanes=1, shuffle=False).fetch().decode_text()
+    assert ids_delivered(pipe) == list(range(400))
+
+
+def test_a_cached_index_damaged_after_the_pipeline_was_built_is_indexed_again(tmp_path, _cache):
+    lines = doc_lines(400)
+    path = write(tmp_path / "big.jsonl", lines)
+    shipped = pickle.loads(pickle.dumps(zd.jsonl(str(path))))  # as a worker gets it
+    (entry,) = cached_entries(_cache)
+    delete_a_row(entry, 100)
+    assert shipped.read(0, range(400)) == lines
+    assert shipped.locate(0, 399) == f"{path} line 400"
 
 
 # ---------------------------------------------------------------- CR-only line endings

@@ -386,6 +386,8 @@ class Pipeline:
 
         Args:
             paths: A path, glob, directory or fsspec URL, or a list of them.
+                A path that exists is that file or folder, even with ``*``, ``?``
+                or ``[`` in its name (``shard[1].jsonl``); see ``expand_paths``.
             on_error: ``"raise"``: a truncated compressed file, an unreadable
                 glob match or a bad line is an error naming the file and line;
                 ``"skip"``: keep the complete lines before the damage, leave
@@ -435,6 +437,8 @@ class Pipeline:
 
         Args:
             paths: A path, glob, directory or fsspec URL, or a list of them.
+                A path that exists is that file or folder, even with ``*``, ``?``
+                or ``[`` in its name (``shard[1].jsonl``); see ``expand_paths``.
             columns: Columns to read (``None``: all); a str names one column.
             on_error: ``"raise"``: a file that cannot be opened is an error;
                 ``"skip"``: it counts as an empty file, with a warning.
@@ -484,7 +488,8 @@ class Pipeline:
 
         Args:
             paths: A path, glob, directory or fsspec URL, or a list of them
-                (any extension).
+                (any extension). A path that exists is that file or folder, even
+                with ``*``, ``?`` or ``[`` in its name; see ``expand_paths``.
             on_error: ``"raise"`` or ``"skip"`` (a tombstone) for a file that
                 is not UTF-8.
             field: The payload key the text goes to.

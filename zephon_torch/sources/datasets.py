@@ -363,6 +363,8 @@ class JsonlDataset(_FileDataset):
 
     Args:
         paths: A path, glob, directory or fsspec URL, or a list of them.
+            A path that exists is that file or folder, even with ``*``, ``?``
+            or ``[`` in its name (``shard[1].jsonl``); see ``expand_paths``.
         component_id: The mixture component this dataset feeds.
         name: Name for messages and the fingerprint (default ``"jsonl"``).
         passes: Trips over this dataset (None: the pipeline's ``passes``).
@@ -537,7 +539,8 @@ class JsonlDataset(_FileDataset):
                              "order with stream(); its shard has access 'stream'")
         if not ids.size:
             return []
-        offsets = self._index(shard_id)[:, 0]
+        index = self._index(shard_id)
+        offsets, numbers = index[:, 0], index[:, 1]
         starts = self.blocks(shard_id)
         line_end = self._infos[shard_id].line_end
         in_block = np.searchsorted(starts, ids, side="right") - 1
@@ -551,7 +554,8 @@ class JsonlDataset(_FileDataset):
                 unique, inverse = np.unique(ids[where], return_inverse=True)
                 view = self._block(shard_id, block, offsets, starts)
                 try:
-                    lines = read_lines_at(view, offsets, file.stat.size, unique, line_end)
+                    lines = read_lines_at(view, offsets, file.stat.size, unique, line_end,
+                                          numbers)
                 except DataChangedError as exc:
                     raise _rewritten(str(exc)) from None
                 self._last_block.spend(shard_id, block, where.size)
@@ -872,6 +876,8 @@ class ParquetDataset(_FileDataset):
 
     Args:
         paths: A path, glob, directory or fsspec URL, or a list of them.
+            A path that exists is that file or folder, even with ``*``, ``?``
+            or ``[`` in its name (``shard[1].jsonl``); see ``expand_paths``.
         columns: Columns to read (None: all). A str means one column.
         component_id: The mixture component this dataset feeds.
         name: Name for messages and the fingerprint (default ``"parquet"``).
@@ -1087,7 +1093,8 @@ class TextFilesDataset(_FileDataset):
 
     Args:
         paths: A path, glob, directory or fsspec URL, or a list of them (any
-            extension).
+            extension). A path that exists is that file or folder, even
+            with ``*``, ``?`` or ``[`` in its name; see ``expand_paths``.
         component_id: The mixture component this dataset feeds.
         name: Name for messages and the fingerprint (default ``"text_files"``).
         passes: Trips over this dataset (None: the pipeline's ``passes``).

@@ -1,15 +1,11 @@
-"""Low-level file access for the file datasets: paths, streams, lines, handles.
+"""Low-level file access for the file datasets: streams, lines, handles.
 
 Everything here works on bytes and knows nothing about samples or records;
 ``datasets.py`` builds the datasets on top of it.
 
-**Paths.** A path is local (read with plain ``open``/``os.pread``) or an
-fsspec URL (anything with ``"://"``). :func:`expand_paths` turns the user's
-paths, globs and directories into a sorted list of files, so shard ids are
-stable whatever order the user listed them in. A file reached by two paths
-(``./a.jsonl``, a symlink, a hardlink) is listed once, and a glob match that
-cannot be read (a dangling symlink: an unmounted volume) is an error or,
-when asked, a counted skip; neither is ever silent.
+**Paths** (expanding globs and folders into files) live in
+:mod:`~zephon_torch.sources.paths`; ``expand_paths`` and ``is_url`` are
+re-exported here.
 
 **Line index.** A plain JSONL shard is read by pointer: one pass over the
 file records, for every line that is not blank, the byte offset where it
@@ -27,8 +23,10 @@ plus 16 bytes per line. Example, the file ``b'{"a":1}\\n\\n  \\n{"b":2}'``::
 lines lie between). :func:`read_lines_at` therefore reads one byte range per
 window of nearby requested lines and cuts the lines out of it: one system
 call for a run of neighbours, no per-file seek state, so threads may share a
-handle. It also checks that each line starts right after a line ending, so
-an index that no longer fits its file is an error, not pieces of lines.
+handle. It also proves that each span it cuts is the one line the index
+promised (it starts right after a line ending, is not blank, and only blank
+lines follow it up to the next indexed line), so an index that no longer
+fits its file is an error, not pieces of lines or a line lost.
 
 **Line endings.** ``\n``, with an optional ``\r`` before it. A file with no
 ``\n`` at all but with ``\r`` bytes uses old Mac line endings (``\r``
@@ -51,17 +49,12 @@ the same blocks and keep the same lines, so the two always agree.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fnmatch
-import glob
 import hashlib
 import os
-import stat
 import threading
-import warnings
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -69,6 +62,7 @@ import numpy as np
 
 from zephon_torch._extras import require
 from zephon_torch.sources.base import count_read
+from zephon_torch.sources.paths import expand_paths, is_url, url_fs
 
 __all__ = [
     "BLOCK_SIZE",
@@ -101,291 +95,6 @@ _MERGE_GAP = 64 << 10
 _MAX_WINDOW = 8 << 20
 
 
-def is_url(path: str) -> bool:
-    """True if ``path`` names an fsspec URL (``"s3://..."``, ``"memory://..."``)."""
-    return "://" in path
-
-
-def _url_fs(url: str) -> tuple[Any, str]:
-    fsspec = require("fsspec", f"reading the URL {url!r}")  # only URLs need it
-
-    return fsspec.core.url_to_fs(url)
-
-
-# ---------------------------------------------------------------- paths
-
-
-def expand_paths(paths: Any, *, what: str, suffixes: Sequence[str] | None,
-                 on_error: str = "raise",
-                 skipped: list[tuple[str, str]] | None = None) -> list[str]:
-    """Expand paths, globs and directories into a sorted list of distinct files.
-
-    Args:
-        paths: A path or a list of them; each may be a glob (``data/*.jsonl``),
-            a directory (its files with a supported suffix) or an fsspec URL.
-        what: The source's name for messages (``"jsonl"``).
-        suffixes: Supported lower-case suffixes, or None to accept any file.
-        on_error: What to do with a glob match or directory entry that cannot
-            be read (a dangling symlink, a symlink loop, a pipe): ``"raise"``,
-            or ``"skip"`` it with a warning that counts and names them.
-        skipped: If given, receives ``(path, reason)`` for each entry skipped.
-
-    One file reached by several paths (``a.jsonl`` and ``./a.jsonl``, a
-    symlink, a hardlink, a ``**`` glob through a symlinked folder) is kept
-    once, under the path that sorts first, with a warning naming the others.
-
-    Raises:
-        ValueError: ``paths`` is empty or not made of strings, or a file has an
-            unsupported suffix.
-        FileNotFoundError: A path or glob matches no file, an explicit path
-            is a dangling symlink or a symlink loop, or (``on_error="raise"``)
-            a glob match or directory entry cannot be read.
-    """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    elif not isinstance(paths, Iterable):
-        raise ValueError(
-            f"{what}: paths must be a path, a glob or a list of them, got {paths!r}"
-        )
-    paths = list(paths)
-    if not paths:
-        raise ValueError(
-            f"{what}: paths is empty; pass a file, a glob such as 'data/*.jsonl', "
-            "or a list of them"
-        )
-    found: set[str] = set()
-    unreadable: list[tuple[str, str]] = []
-    notes: list[str] = []  # folders a ``**`` glob reached twice, or loops, not entered again
-    for raw in paths:
-        path = os.fspath(raw) if isinstance(raw, os.PathLike) else raw
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"{what}: every path must be a non-empty string, got {raw!r}")
-        if is_url(path):
-            matches, bad = _expand_url(path, suffixes), []
-        else:
-            matches, bad = _expand_local(path, suffixes, what, notes)
-        if not matches:
-            if bad:
-                raise FileNotFoundError(f"{what}: {path!r} matches no readable file: "
-                                        f"{_listing(bad)}; fix or remove them")
-            hint = "" if is_url(path) else f" (relative paths start from {os.getcwd()!r})"
-            raise FileNotFoundError(f"{what}: {path!r} matches no file{hint}; check the path")
-        found.update(matches)
-        unreadable.extend(p for p in bad if p not in unreadable)
-    if unreadable:
-        unreadable.sort()
-        if on_error != "skip":
-            raise FileNotFoundError(
-                f"{what}: {len(unreadable)} path(s) matched by a glob or found in a folder "
-                f"cannot be read: {_listing(unreadable)}; fix or remove them, or pass "
-                "on_error='skip' to leave them out (counted, with a warning)"
-            )
-        warnings.warn(f"{what}: on_error='skip' leaves out {len(unreadable)} path(s) that "
-                      f"cannot be read: {_listing(unreadable)}", RuntimeWarning, stacklevel=4)
-        if skipped is not None:
-            skipped.extend(unreadable)
-    if notes:
-        warnings.warn(f"{what}: {'; '.join(notes)}", RuntimeWarning, stacklevel=4)
-    files = sorted(found)
-    if suffixes is not None:
-        for file in files:
-            if not file.lower().endswith(tuple(suffixes)):
-                raise ValueError(
-                    f"{what}: {file!r} has an unsupported extension; supported: "
-                    f"{', '.join(suffixes)}"
-                )
-    return _distinct_files(files, what)
-
-
-def _listing(entries: Sequence[tuple[str, str]], limit: int = 5) -> str:
-    """``'a' is ...; 'b' is ...`` for the first ``limit`` entries, then a count."""
-    shown = "; ".join(f"{path!r} {why}" for path, why in entries[:limit])
-    more = len(entries) - limit
-    return shown + (f"; and {more} more" if more > 0 else "")
-
-
-def _has_magic(path: str) -> bool:
-    return any(ch in path for ch in "*?[")
-
-
-def _entry_problem(path: str) -> str | None:
-    """Why a path that exists as a directory entry cannot be read as a file (None: it can).
-
-    A directory is not a problem either (globs such as ``data/*`` match folders,
-    which are not files to read); the caller filters them out.
-    """
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return "is a symlink loop (following its links leads back to a link already seen)"
-        if os.path.islink(path) and exc.errno == errno.ENOENT:
-            return (f"is a symlink to {os.readlink(path)!r}, which does not exist (an "
-                    "unmounted volume, a moved folder?)")
-        return f"cannot be reached ({exc.strerror})"
-    if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
-        return None
-    return "is not a regular file (a pipe, a socket or a device)"
-
-
-def _classify(candidates: Iterable[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """Split directory entries into readable files and ``(path, why)`` for the others."""
-    files: list[str] = []
-    bad: list[tuple[str, str]] = []
-    for path in candidates:
-        if os.path.isfile(path):
-            files.append(path)
-        elif not os.path.isdir(path):
-            problem = _entry_problem(path)
-            if problem is not None:
-                bad.append((path, problem))
-    return files, bad
-
-
-def _expand_local(path: str, suffixes: Sequence[str] | None, what: str,
-                  notes: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """Files a local path names, and the entries it names that cannot be read."""
-    if _has_magic(path):
-        if "**" in path:
-            return _classify(_recursive_glob(path, notes))
-        return _classify(glob.glob(path))
-    if os.path.isdir(path):
-        names = sorted(os.listdir(path))
-        entries = [os.path.join(path, n) for n in names if not n.startswith(".")]
-        return _classify(f for f in entries if _suffix_ok(f, suffixes))
-    if os.path.isfile(path):
-        return [path], []
-    if os.path.lexists(path):  # named explicitly: an error whatever on_error says
-        problem = _entry_problem(path) or "is not a file"
-        raise FileNotFoundError(f"{what}: {path!r} {problem}; check the path")
-    return [], []
-
-
-def _recursive_glob(pattern: str, notes: list[str]) -> list[str]:
-    """What ``glob.glob(pattern, recursive=True)`` matches, without entering a folder twice.
-
-    The standard library follows symlinked folders under ``**`` without
-    remembering where it has been: a link back to a parent makes it list the
-    same files under ever longer paths, without end. This walk matches the
-    same names (``**`` is zero or more folders; names starting with ``.``
-    match only a pattern part starting with ``.``), in sorted order, but
-    enters each folder once per matching state: a folder reached again is
-    skipped, with a note naming both paths, and a link back to a folder being
-    walked (a loop) is not followed.
-    """
-    parts = pattern.split(os.sep)
-    fixed = 0
-    while fixed < len(parts) - 1 and not _has_magic(parts[fixed]):
-        fixed += 1
-    root = os.sep.join(parts[:fixed])
-    rest = [p for p in parts[fixed:] if p]  # "a//b" is "a/b"
-    if root and not os.path.isdir(root):
-        return []
-    out: list[str] = []
-    first_path: dict[tuple[Any, frozenset[int]], str] = {}
-
-    def closure(states: Iterable[int]) -> frozenset[int]:
-        seen = set()
-        todo = list(states)
-        while todo:
-            i = todo.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            if i < len(rest) and rest[i] == "**":
-                todo.append(i + 1)  # ``**`` may match no folder at all
-        return frozenset(seen)
-
-    def step(states: frozenset[int], name: str) -> frozenset[int]:
-        hidden = name.startswith(".")
-        nxt = []
-        for i in states:
-            if i >= len(rest):
-                continue
-            part = rest[i]
-            if part == "**":
-                if not hidden:
-                    nxt.append(i)
-            elif (not hidden or part.startswith(".")) and fnmatch.fnmatchcase(name, part):
-                nxt.append(i + 1)
-        return closure(nxt)
-
-    def walk(folder: str, states: frozenset[int], ancestors: dict[Any, str]) -> None:
-        try:
-            st = os.stat(folder or os.curdir)
-            names = sorted(os.listdir(folder or os.curdir))
-        except OSError:
-            return  # an unreadable folder matches nothing, as for glob.glob
-        ident = (st.st_dev, st.st_ino)
-        if ident in ancestors:
-            notes.append(f"{folder!r} leads back to {ancestors[ident]!r} (a symlink loop); "
-                         "it is not followed")
-            return
-        key = (ident, states)
-        if key in first_path:
-            notes.append(f"folder {folder!r} is the same as {first_path[key]!r} (reached by "
-                         "two paths); its files are read once")
-            return
-        first_path[key] = folder
-        ancestors = {**ancestors, ident: folder}
-        for name in names:
-            after = step(states, name)
-            if not after:
-                continue
-            child = os.path.join(folder, name) if folder else name
-            if len(rest) in after:
-                out.append(child)
-            if any(i < len(rest) for i in after) and os.path.isdir(child):
-                walk(child, after, ancestors)
-
-    walk(root, closure([0]), {})
-    return out
-
-
-def _expand_url(url: str, suffixes: Sequence[str] | None) -> list[str]:
-    fs, path = _url_fs(url)
-    if _has_magic(path):
-        return [fs.unstrip_protocol(m) for m in fs.glob(path) if fs.isfile(m)]
-    if fs.isdir(path):
-        entries = fs.ls(path, detail=True)
-        return [fs.unstrip_protocol(e["name"]) for e in entries
-                if e.get("type") == "file" and _suffix_ok(e["name"], suffixes)]
-    return [url] if fs.exists(path) else []
-
-
-def _suffix_ok(path: str, suffixes: Sequence[str] | None) -> bool:
-    return suffixes is None or path.lower().endswith(tuple(suffixes))
-
-
-def _identity(path: str) -> tuple[Any, ...]:
-    """What makes two paths the same file: the normalised URL, or device and inode."""
-    if is_url(path):
-        fs, inner = _url_fs(path)
-        return ("url", fs.unstrip_protocol(inner))
-    st = os.stat(path)
-    if not st.st_ino:  # a filesystem without inode numbers: the resolved path
-        return ("path", os.path.realpath(path))
-    return ("inode", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _distinct_files(files: list[str], what: str) -> list[str]:
-    """``files`` without those that are the same file as an earlier one (with a warning)."""
-    first: dict[tuple[Any, ...], str] = {}
-    kept: list[str] = []
-    twins: list[tuple[str, str]] = []
-    for path in files:
-        ident = _identity(path)
-        if ident in first:
-            twins.append((path, f"is the same file as {first[ident]!r}"))
-        else:
-            first[ident] = path
-            kept.append(path)
-    if twins:
-        warnings.warn(f"{what}: {len(twins)} file(s) are reached by two paths and are read "
-                      f"once: {_listing(twins)}", RuntimeWarning, stacklevel=4)
-    return kept
-
-
 # ---------------------------------------------------------------- files
 
 
@@ -408,7 +117,7 @@ def stat_file(path: str) -> FileStat:
     if not is_url(path):
         st = os.stat(path)
         return FileStat(st.st_size, str(st.st_mtime_ns))
-    fs, inner = _url_fs(path)
+    fs, inner = url_fs(path)
     info = fs.info(inner)
     mtime = None
     for key in ("mtime", "LastModified", "last_modified", "updated", "ETag", "etag", "created"):
@@ -421,7 +130,7 @@ def stat_file(path: str) -> FileStat:
 def open_binary(path: str) -> BinaryIO:
     """Open a local file or URL for binary reading (the caller closes it)."""
     if is_url(path):
-        fs, inner = _url_fs(path)
+        fs, inner = url_fs(path)
         return fs.open(inner, "rb")
     return open(path, "rb", buffering=0)  # we read large blocks ourselves
 
@@ -932,14 +641,23 @@ def edge_digest(file: RandomAccessFile, size: int, *extra: bytes) -> str:
 
 
 def read_lines_at(file: RandomAccessFile, offsets: np.ndarray, file_size: int,
-                  ids: np.ndarray, line_end: str = "lf") -> list[bytes]:
+                  ids: np.ndarray, line_end: str = "lf",
+                  numbers: np.ndarray | None = None) -> list[bytes]:
     """The lines ``ids`` (sorted, unique) of an indexed file, without line endings.
 
     Nearby lines are read with one range read (see the module doc). Each read
-    also checks the index against the bytes: a line starts right after a line
-    ending, and every line but the last has one. A file rewritten since it was
-    indexed (even to the same size and modification time) fails that check
-    wherever a line moved, instead of handing out pieces of lines.
+    also proves that the span it cut is the line the index promised: the
+    line starts right after a line ending, holds content (it is not blank),
+    and what lies between its line ending and the next indexed line is blank
+    lines only (with ``numbers``, the index's 1-based line numbers, exactly as
+    many line endings as the numbers say). A file rewritten since it was
+    indexed (even to the same size and modification time, say one line split
+    in two) fails that check wherever it changed, instead of handing out
+    pieces of lines or losing one.
+
+    The check costs one comparison per line: a line followed directly by the
+    next has its line ending as the last byte of its span; only a span that
+    also holds blank lines has those bytes looked at.
 
     Raises:
         DataChangedError: The bytes do not fit the index (the file changed).
@@ -950,8 +668,12 @@ def read_lines_at(file: RandomAccessFile, offsets: np.ndarray, file_size: int,
     end_byte = end[0]
     # Line i, its line ending and any blank lines after it span [starts[i], ends[i]).
     starts = offsets[ids].tolist()
-    ends = np.where(after < n, offsets[np.minimum(after, n - 1)], file_size).tolist()
+    nxt = np.minimum(after, n - 1)
+    ends = np.where(after < n, offsets[nxt], file_size).tolist()
     followed = (after < n).tolist()
+    # Line endings from line i to the next indexed line (0: unknown, or the last line).
+    gaps = ([0] * len(starts) if numbers is None
+            else np.where(after < n, numbers[nxt] - numbers[ids], 0).tolist())
     count = len(starts)
     out: list[bytes] = []
     j = 0
@@ -977,7 +699,28 @@ def read_lines_at(file: RandomAccessFile, offsets: np.ndarray, file_size: int,
                     raise DataChangedError(f"{file.path!r} no longer has a line ending between "
                                            f"bytes {starts[i]} and {ends[i]}")
                 nl = hi
+            elif nl + 1 != hi or gaps[i] > 1:  # more than this line's ending: blank lines?
+                _check_blank_tail(file.path, data, nl, hi, end, gaps[i], starts[i], ends[i])
             line = data[lo:nl]
-            out.append(line if line_end == "cr" else _strip_newline(line))
+            if line_end != "cr":
+                line = _strip_newline(line)
+            if not line or line.isspace():  # stops at the first content byte
+                raise DataChangedError(f"{file.path!r} no longer has content in the line at "
+                                       f"byte {starts[i]} (it is blank now)")
+            out.append(line)
         j = last + 1
     return out
+
+
+def _check_blank_tail(path: str, data: bytes, nl: int, hi: int, end: bytes, gap: int,
+                      start: int, stop: int) -> None:
+    """Check that ``data[nl:hi]``, after a line, is blank lines only (``gap`` line endings
+    when known): the bytes between an indexed line and the next hold no other line."""
+    tail = data[nl:hi]
+    if not tail.isspace():
+        raise DataChangedError(f"{path!r} no longer holds one line between bytes {start} and "
+                               f"{stop}: another line starts inside it")
+    if gap and tail.count(end) != gap:
+        raise DataChangedError(f"{path!r} no longer holds one line between bytes {start} and "
+                               f"{stop}: {tail.count(end)} line ending(s) there, the index "
+                               f"says {gap}")

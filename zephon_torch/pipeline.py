@@ -247,8 +247,14 @@ class Pipeline:
             sources: Datasets made with ``zt.sources.items``, ``jsonl``,
                 ``parquet`` or ``text_files``, each with its ``component_id``.
             weights: Share of each component: a mapping component id ->
-                weight, or one weight per source (they need not add up to 1).
-                ``None``: shares proportional to the datasets' sizes.
+                weight, or one weight per source (they need not add up to 1),
+                each a finite number >= 0. ``None``: shares proportional to
+                the datasets' sizes. Weight 0 leaves a dataset out (never
+                read); a tiny positive weight keeps it in, and with
+                ``exhausted="repeat"`` the stream lasts until it is read in
+                full (a warning when another dataset would be read more than
+                10 times its passes; see ``zephon_torch.sources.mixing``). A
+                positive weight on a dataset with no samples is an error.
             num_lanes: Lanes the samples are dealt to. A lane is the unit of
                 parallelism and of checkpoints, fixed for a run: use at least
                 the largest world size you will train on.
@@ -275,7 +281,10 @@ class Pipeline:
 
         Raises:
             ValueError: An option out of range, no dataset, or weights that
-                do not match the sources.
+                do not match the sources or are not finite numbers >= 0. When
+                the run starts (``iter()``, ``num_batches()``): a positive
+                weight on a dataset with no samples, or a ``"repeat"``
+                mixture of more than 2**53 samples.
         """
         datasets = tuple(sources)
         if isinstance(weights, Mapping):

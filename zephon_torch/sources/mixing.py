@@ -78,7 +78,7 @@ def check_weights(datasets: Sequence[Dataset], weights: Sequence[Any]) -> None:
         if (not isinstance(w, numbers.Real) or isinstance(w, bool)
                 or not math.isfinite(w) or w < 0):
             raise ValueError(
-                f"weights must be nonnegative, finite and sum to a positive number, got "
+                f"weights must be nonnegative finite numbers with a positive sum, got "
                 f"{shown}: {_who(dataset)} has weight {w!r}; give each component its share "
                 "as a finite number (they need not add up to 1), 0 to leave a dataset out, "
                 "or weights=None for shares proportional to the sizes"
@@ -94,7 +94,7 @@ def check_weights(datasets: Sequence[Dataset], weights: Sequence[Any]) -> None:
 def files_of(dataset: Dataset, limit: int = 4) -> str:
     """The dataset's files for a message: the first ``limit`` paths (or shard names)."""
     shards = dataset.shards()
-    names = [s.path or s.name for s in shards]
+    names = [s.path or f"{s.name} (in memory)" for s in shards]
     if not names:
         return "no files"
     more = f" and {len(names) - limit} more" if len(names) > limit else ""

@@ -65,6 +65,17 @@ def test_a_non_finite_weight_is_refused_naming_the_dataset_and_value(files, tmp_
     assert "give each component its share" in message
 
 
+def test_weights_whose_sum_overflows_are_refused(files, tmp_path) -> None:
+    # Each finite, but the sum is inf: every share would be 0 and the stream empty.
+    with pytest.raises(ValueError, match=r"got \[1e\+308, 1e\+308\], whose sum is inf.*scale"):
+        _pipe(files, ["web", "code"], [1e308, 1e308], tmp_path)
+
+
+def test_ensure_mixture_refuses_targets_whose_sum_overflows() -> None:
+    with pytest.raises(ValueError, match=r"mixture sum to inf .*scale them down"):
+        zt.Pipeline.from_items(["a"]).ensure_mixture(mixture={0: 1e308, 1: 1e308})
+
+
 def test_an_infinite_weight_is_refused_by_the_schedule_too() -> None:
     a, b = MemDataset(list(range(5)), component_id=0), MemDataset(list(range(5)), component_id=1)
     with pytest.raises(ValueError, match=r"dataset 'mem' \(component 1\) has weight inf"):

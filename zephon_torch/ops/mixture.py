@@ -479,8 +479,12 @@ def _check_weights(weights: Any, what: str) -> dict[int, float]:
             )
         # Integer weights stay integers so SWRR arithmetic is exact.
         checked[int(comp)] = int(weight) if isinstance(weight, numbers.Integral) else float(weight)
-    if sum(checked.values()) <= 0:
+    total = sum(checked.values())
+    if total <= 0:
         raise ValueError(f"{what} must sum to more than 0, got {weights!r}")
+    if not math.isfinite(total):
+        raise ValueError(f"{what} sum to inf (too large to add up in floating point), got "
+                         f"{weights!r}; scale them down: only their ratios matter")
     return checked
 
 

@@ -8,7 +8,8 @@ are checked here, once, from what the schedule already knows:
 
 **Weights are finite numbers >= 0.** ``inf`` would take every position
 (``inf / inf`` is not a share), ``nan`` none; both, and negatives, are
-refused naming the dataset.
+refused naming the dataset, and so are weights whose sum overflows to
+``inf`` (``[1e308, 1e308]``: every share would read as 0).
 
 **A share needs samples.** A dataset given a positive weight but holding no
 sample (an all-blank JSONL, files all skipped) can never serve its share;
@@ -83,7 +84,14 @@ def check_weights(datasets: Sequence[Dataset], weights: Sequence[Any]) -> None:
                 "as a finite number (they need not add up to 1), 0 to leave a dataset out, "
                 "or weights=None for shares proportional to the sizes"
             )
-    if not sum(weights) > 0:
+    total = sum(weights)
+    if total > 0 and not math.isfinite(total):
+        raise ValueError(
+            f"weights must be nonnegative finite numbers with a finite sum, got {shown}, "
+            "whose sum is inf (too large to add up in floating point, so every share would "
+            "read as 0); scale them down: only their ratios matter"
+        )
+    if not total > 0:
         raise ValueError(
             f"weights must be nonnegative and sum to a positive number, got {shown}; give "
             "each component its share (they need not add up to 1), or weights=None for "

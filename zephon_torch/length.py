@@ -36,6 +36,7 @@ what each lane reads). Anything else is ``None``, and
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,8 @@ def lane_records(pipeline: Pipeline) -> dict[int, list[int]] | None:
     )
     if any(limit == float("inf") for limit in schedule.limits):
         return None
+    if schedule.length_warning:  # before a walk that may take a while
+        warnings.warn(schedule.length_warning, RuntimeWarning, stacklevel=4)
     sizes: dict[int, list[int]] = {lane: [] for lane in range(src.num_lanes)}
     state = schedule.initial_state()
     while True:

@@ -47,6 +47,7 @@ from zephon_torch.ops.tokenize import ChatTemplate, Tokenize, TokenizeChat
 from zephon_torch.ops.transform import Filter, MapTransform
 from zephon_torch.sources import datasets as _datasets
 from zephon_torch.sources.base import Dataset
+from zephon_torch.sources.mixing import check_weights
 from zephon_torch.sources.schedule import block_layout
 from zephon_torch.topology import worker_lanes
 
@@ -114,12 +115,7 @@ class SourceConfig:
                     f"weights has {len(self.weights)} entries for {len(self.datasets)} "
                     "datasets; give one weight per source (or a mapping component -> weight)"
                 )
-            if any(not w >= 0 for w in self.weights) or not sum(self.weights) > 0:
-                raise ValueError(
-                    f"weights must be nonnegative and sum to a positive number, got "
-                    f"{list(self.weights)}; give each component its share (they need not add "
-                    "up to 1), or weights=None for shares proportional to the sizes"
-                )
+            check_weights(self.datasets, self.weights)
 
 
 def _defaults(of: Callable[..., Any]) -> SimpleNamespace:
@@ -251,8 +247,14 @@ class Pipeline:
             sources: Datasets made with ``zt.sources.items``, ``jsonl``,
                 ``parquet`` or ``text_files``, each with its ``component_id``.
             weights: Share of each component: a mapping component id ->
-                weight, or one weight per source (they need not add up to 1).
-                ``None``: shares proportional to the datasets' sizes.
+                weight, or one weight per source (they need not add up to 1),
+                each a finite number >= 0. ``None``: shares proportional to
+                the datasets' sizes. Weight 0 leaves a dataset out (never
+                read); a tiny positive weight keeps it in, and with
+                ``exhausted="repeat"`` the stream lasts until it is read in
+                full (a warning when another dataset would be read more than
+                10 times its passes; see ``zephon_torch.sources.mixing``). A
+                positive weight on a dataset with no samples is an error.
             num_lanes: Lanes the samples are dealt to. A lane is the unit of
                 parallelism and of checkpoints, fixed for a run: use at least
                 the largest world size you will train on.
@@ -279,7 +281,10 @@ class Pipeline:
 
         Raises:
             ValueError: An option out of range, no dataset, or weights that
-                do not match the sources.
+                do not match the sources or are not finite numbers >= 0. When
+                the run starts (``iter()``, ``num_batches()``): a positive
+                weight on a dataset with no samples, or a ``"repeat"``
+                mixture of more than 2**53 samples.
         """
         datasets = tuple(sources)
         if isinstance(weights, Mapping):
@@ -290,13 +295,17 @@ class Pipeline:
                     f"weights name components {unknown} that no source has "
                     f"(components: {sorted(components)})"
                 )
-            # A component's weight is shared by its datasets in proportion to size.
-            per_component: dict[int, int] = {}
+            # A component's weight is shared by its datasets in proportion to size; a
+            # component with no sample keeps its weight, which the schedule refuses
+            # naming the datasets (its share could never be served).
+            per_component: dict[int, list[int]] = {}
             for d in datasets:
-                per_component[d.component_id] = per_component.get(d.component_id, 0) + len(d)
+                size, count = per_component.get(d.component_id, [0, 0])
+                per_component[d.component_id] = [size + len(d), count + 1]
             resolved = tuple(
-                float(weights.get(d.component_id, 0.0))
-                * (len(d) / per_component[d.component_id] if per_component[d.component_id] else 0)
+                float(weights.get(d.component_id, 0.0)) * (
+                    len(d) / per_component[d.component_id][0]
+                    if per_component[d.component_id][0] else 1 / per_component[d.component_id][1])
                 for d in datasets
             )
         elif weights is not None:

@@ -70,12 +70,13 @@ import math
 import numbers
 from bisect import insort
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from zephon_torch.block import Block
 from zephon_torch.ops.accumulators import Accumulator, lane_of
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
+from zephon_torch.sources.mixing import files_of
 from zephon_torch.types import SampleRecord
 from zephon_torch.vocab import AUTO_TOKEN_FIELDS
 
@@ -381,7 +382,10 @@ class EnsureMixture(Operator):
     Raises:
         ValueError: ``max_buffer_size`` is not a positive integer, a weight is
             negative or not finite, the weights sum to 0, or ``weight_by`` is
-            neither a non-empty string nor a callable.
+            neither a non-empty string nor a callable. When the run starts:
+            ``mixture`` gives a positive weight to a component the sources
+            never read (no such source, no samples, or source weight 0), whose
+            share would never come (the others would silently take it).
     """
 
     name = "ensure_mixture"
@@ -403,6 +407,8 @@ class EnsureMixture(Operator):
         targets = self.mixture
         if targets is None and ctx.component_weights is not None:
             targets = _check_weights(ctx.component_weights, "source component weights")
+        elif targets is not None and "datasets" in ctx.plan:
+            _check_fed(targets, ctx.plan["datasets"].values(), ctx.component_weights)
         weight_by = self.weight_by
         if weight_by == "auto" and "has_tokens" in ctx.plan:
             weight_by = "tokens" if ctx.plan["has_tokens"] else "samples"
@@ -473,9 +479,38 @@ def _check_weights(weights: Any, what: str) -> dict[int, float]:
             )
         # Integer weights stay integers so SWRR arithmetic is exact.
         checked[int(comp)] = int(weight) if isinstance(weight, numbers.Integral) else float(weight)
-    if sum(checked.values()) <= 0:
+    total = sum(checked.values())
+    if total <= 0:
         raise ValueError(f"{what} must sum to more than 0, got {weights!r}")
+    if not math.isfinite(total):
+        raise ValueError(f"{what} sum to inf (too large to add up in floating point), got "
+                         f"{weights!r}; scale them down: only their ratios matter")
     return checked
+
+
+def _check_fed(targets: Mapping[int, float], datasets: Iterable[Any],
+               source_weights: Mapping[int, float] | None) -> None:
+    """Refuse a positive target for a component the sources never read."""
+    datasets = list(datasets)
+    fed = ({c for c, w in source_weights.items() if w > 0} if source_weights is not None
+           else {d.component_id for d in datasets if len(d) > 0})
+    for comp, weight in sorted(targets.items()):
+        if weight <= 0 or comp in fed:
+            continue
+        own = [d for d in datasets if d.component_id == comp]
+        if not own:
+            why = (f"no source has component {comp} (components: "
+                   f"{sorted({d.component_id for d in datasets})})")
+        else:
+            why = "; ".join(
+                f"dataset {d.name!r} holds no samples (files: {files_of(d)})" if not len(d)
+                else f"dataset {d.name!r} has weight 0 in the sources" for d in own)
+        raise ValueError(
+            f"ensure_mixture: mixture gives component {comp} weight {weight!r}, but no sample "
+            f"of component {comp} is read: {why}. Its share would never come and the other "
+            f"components would silently fill it; give component {comp} weight 0 in mixture=, "
+            "or give the sources samples (and a share) for it"
+        )
 
 
 def _check_weight_by(weight_by: Any) -> None:

@@ -352,6 +352,8 @@ class PipelineIterator:
         self._epoch_run = run  # what lane workers run
         src = run.source
         self.schedule = make_schedule(src)
+        if self.schedule.length_warning:  # a "repeat" mixture far longer than its data
+            warnings.warn(self.schedule.length_warning, RuntimeWarning, stacklevel=4)
         self._compiled = run.compile(self._microbatch_sizes)
         self.stage_names = [c.name for c in self._compiled]
         # Stages placed on Ray: their own pool; the local pool gets a stand-in for each.

@@ -42,7 +42,11 @@ as its lane-local ``chunk_id = g // num_lanes``::
 **The end.** A single dataset ends after its passes (``None``: never). A
 mixture with ``exhausted="repeat"`` ends once every dataset has finished its
 passes (the early finishers repeat, reshuffled); with ``"stop"`` it ends when
-the first dataset runs out. The last chunk may be short.
+the first dataset runs out. The last chunk may be short. ``mixing.py`` works
+out from the weights, sizes and passes about how long that is (a tiny weight
+with ``"repeat"`` makes it very long: a warning, or an error beyond 2**53),
+and refuses a weight that is not finite or a share given to a dataset with no
+samples.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from zephon_torch.sources.base import Dataset, Shard
+from zephon_torch.sources.mixing import check_shares, check_weights, length_warning, stream_length
 from zephon_torch.sources.permute import permute, seed_key
 
 __all__ = ["Chunk", "ScheduleState", "WorkSchedule", "block_layout", "checked_blocks"]
@@ -300,6 +305,11 @@ class WorkSchedule:
         weights: Share of each dataset in the stream (``None``: proportional
             to their sizes). Normalised here.
         exhausted: ``"repeat"`` or ``"stop"`` (see the module doc).
+
+    Raises:
+        ValueError: A weight that is not a finite number >= 0, a positive
+            weight on a dataset with no samples, or a ``"repeat"`` mixture
+            longer than ``mixing.MAX_POSITIONS`` (see ``mixing.py``).
     """
 
     def __init__(
@@ -324,14 +334,22 @@ class WorkSchedule:
             trips = dataset.passes if dataset.passes is not None else passes
             self.limits.append(float("inf") if trips is None else trips * stream.size)
         sizes = [s.size for s in self.streams]
+        if weights is not None:
+            check_weights(datasets, weights)
+            # A share needs samples: an empty dataset with a weight is an error, not 0.
+            check_shares(datasets, weights, sizes)
+        # Without weights, an empty dataset's share is its size: 0.
         raw = list(weights) if weights is not None else [float(n) for n in sizes]
-        # An empty dataset can never supply a pointer: it takes no share.
-        raw = [w if n > 0 else 0.0 for w, n in zip(raw, sizes)]
         total = float(sum(raw))
         self.weights = [w / total for w in raw] if total > 0 else [0.0] * len(raw)
         self.exhausted = exhausted
         self._active = [i for i, w in enumerate(self.weights) if w > 0]
         self._mixture = len(self._active) > 1
+        #: About how many positions the stream holds (``inf``: endless; mixing.py).
+        self.expected_positions = stream_length(self.weights, self.limits, exhausted)
+        #: What to warn before the first item (a ``"repeat"`` mixture far longer
+        #: than its data), or None; a stream beyond ``MAX_POSITIONS`` is refused here.
+        self.length_warning = length_warning(datasets, self.weights, self.limits, exhausted)
 
     @property
     def component_count(self) -> int:

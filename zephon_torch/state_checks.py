@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from zephon_torch.epochs import state_epoch
 from zephon_torch.sources.schedule import ScheduleState, WorkSchedule
 
 __all__ = [
@@ -143,8 +144,7 @@ def _check_fields(state: Mapping[str, Any]) -> None:
     _keys("", state, STATE_KEYS, OPTIONAL_STATE_KEYS)
     _int("", "'version'", state["version"])  # its value was checked; a bool is no version
     num_lanes = _int("", "'num_lanes'", state["num_lanes"], 1)
-    if "epoch" in state:
-        _int("", "'epoch'", state["epoch"])
+    state_epoch(state)
     mark = state.get("accept_changed_data", True)
     if not isinstance(mark, bool):
         raise _refuse("", "'accept_changed_data'", mark, "not true or false")
@@ -249,14 +249,14 @@ class _LaneCheck:
 
     def run(self, *, sample: bool) -> None:
         window = self.entry["window"]
-        for i, row in enumerate(window):
-            self.schedule_state(f"'window'[{i}]", row[1:], chunk=row[0])
         chunks = [row[0] for row in window]
         if window:
-            self.check_window(chunks)
+            self.check_window(chunks)  # its length first: the rows are checked one by one
         elif self.entry.get("epoch_boundaries"):
             raise _refuse(self.where, "'epoch_boundaries'", self.entry["epoch_boundaries"],
                           "but the window is empty ([] expected)")
+        for i, row in enumerate(window):
+            self.schedule_state(f"'window'[{i}]", row[1:], chunk=row[0])
         nxt = self.entry["next"]
         if nxt is not None:
             self.schedule_state("'next'", nxt)

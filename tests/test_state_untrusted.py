@@ -315,3 +315,12 @@ def test_the_dataloader_refuses_an_edited_state_at_load_state_dict(
                                          r"lane 1"):
         loader.load_state_dict(edited)
     loader.close()
+
+
+def test_a_rank_state_on_another_world_size_says_merge_and_gather_at_save_time() -> None:
+    pipe = shuffled_pipe()
+    rank_state = saved(pipe, 2, rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"no entry for lane\(s\) \[0, 2\] \(it holds lanes "
+                                         r"\[1, 3\]\).*merge_states\(\).*only one rank wrote "
+                                         r"the checkpoint.*state_dict\(gather=True\)"):
+        pipe.iter(runner="inline").load_state_dict(rank_state)

@@ -121,8 +121,13 @@ def checked_state(state: Any, *, fingerprint: Mapping[str, Any], stage_names: Se
     if missing:
         raise ValueError(
             f"the state has no entry for lane(s) {missing} (it holds lanes "
-            f"{sorted(int(k) for k in state['lanes'])}); merge every rank's state with "
-            "zephon_torch.checkpoint.merge_states() before resuming on another world size"
+            f"{sorted(int(k) for k in state['lanes'])}): it is one rank's state, and this "
+            "iterator resumes other lanes (another world size or rank). If every rank saved its "
+            "state, merge them with zephon_torch.checkpoint.merge_states() and load the result; "
+            "if only one rank wrote the checkpoint (usually rank 0), its file lacks the others' "
+            "lanes: save with loader.state_dict(gather=True) (zephon_torch.DataLoader gathers "
+            "every rank's state into one, the default when Lightning saves), or merge_states() "
+            "of all the ranks' states before writing"
         )
     return state
 

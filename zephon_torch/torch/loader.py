@@ -141,7 +141,6 @@ import torch
 
 from zephon_torch.checkpoint import check_state, merge_states, refuse_nondeterministic
 from zephon_torch.epochs import EpochCounter, check_epoch, state_epoch
-from zephon_torch.length import unknown_reason
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.assembly import remote_stages
 from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
@@ -407,7 +406,7 @@ class DataLoader:
         if count is None:
             raise TypeError(
                 f"this zephon DataLoader has no len(): the number of batches depends on the data "
-                f"({unknown_reason(self.pipeline)}); train by steps (max_steps), see "
+                f"({self.pipeline.num_batches_reason()}); train by steps (max_steps), see "
                 "docs/epochs.md"
             )
         if self.on_uneven == "stop" and world_size > 1 and lanes is None \

@@ -36,7 +36,9 @@ def test_demo_resumes_identically_and_reports_shapes_and_throughput(
     batches = int(re.search(r"stop after (\d+) of (\d+) batches", out).group(2))
     assert int(compared.group(1)) == batches - batches // 2
 
-    assert "input_ids [8, 64], labels [8, 64], positions [8, 64], cu_seqlens [8, " in out
+    # Each tensor's own dtype (cu_seqlens is int32, as to_training makes it).
+    assert re.search(r"input_ids \[8, 64\], labels \[8, 64\], positions \[8, 64\] "
+                     r"\(torch.int64\), cu_seqlens \[8, \d+\] \(torch.int32\)", out), out
     rate = re.search(r": ([\d,]+) samples/s, ([\d,]+) tokens/s", out)
     assert rate and int(rate.group(1).replace(",", "")) > 0
     assert int(rate.group(2).replace(",", "")) > 0

@@ -228,7 +228,9 @@ def test_a_replay_that_cannot_meet_its_cursor_raises_naming_the_lane() -> None:
     state = it.state_dict()
     it.close()
     lane = next(k for k, v in state["lanes"].items() if v["replay_cursor"] is not None)
-    state["lanes"][lane]["replay_cursor"] = [0, 0, [], [9, 9, 9]]
+    # A count the load cannot check (an edited cursor is refused at load: see
+    # tests/test_state_untrusted.py); the replay finds the cursor elsewhere.
+    state["lanes"][lane]["replay_count"] += 1
     from zephon_torch.checkpoint import state_checksum
 
     state["checksum"] = state_checksum(state)

@@ -36,7 +36,9 @@ def test_demo_resumes_identically_and_reports_shapes_and_throughput(
     batches = int(re.search(r"stop after (\d+) of (\d+) batches", out).group(2))
     assert int(compared.group(1)) == batches - batches // 2
 
-    assert "input_ids [8, 64], labels [8, 64], positions [8, 64], cu_seqlens [8, " in out
+    # Each tensor's own dtype (cu_seqlens is int32, as to_training makes it).
+    assert re.search(r"input_ids \[8, 64\], labels \[8, 64\], positions \[8, 64\] "
+                     r"\(torch.int64\), cu_seqlens \[8, \d+\] \(torch.int32\)", out), out
     rate = re.search(r": ([\d,]+) samples/s, ([\d,]+) tokens/s", out)
     assert rate and int(rate.group(1).replace(",", "")) > 0
     assert int(rate.group(2).replace(",", "")) > 0
@@ -234,3 +236,56 @@ def test_the_progress_bar_counts_batches_in_words(tmp_path: Path) -> None:
     assert re.search(r"\d batches/s", screen), screen
     assert re.search(r"\d+ batches \[", screen), screen  # the uninterrupted run: no total
     assert not re.search(r"\dbatch", screen), screen
+
+
+# --------------------------------------------------------------------------- issue 21: rough edges
+
+
+@pytest.mark.parametrize(("option", "typed"), [("--seq-len", "0"), ("--seq-len", "-5"),
+                                                ("--batch-size", "0"), ("--num-lanes", "0")])
+def test_inspect_refuses_a_value_out_of_range_as_it_was_typed(tmp_path: Path, option: str,
+                                                              typed: str) -> None:
+    write_jsonl(tmp_path / "a.jsonl", documents(20, seed=1))
+    result = _cli("inspect", str(tmp_path / "a.jsonl"), option, typed)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"error: argument {option}: must be at least 1, got {typed}" in result.stderr
+    assert "max_length" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_inspect_with_a_small_shuffle_buffer_names_this_commands_default(
+        tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "a.jsonl", documents(20, seed=1))
+    line = _one_line_error(_cli("inspect", str(tmp_path / "a.jsonl"), "--shuffle-buffer", "4"))
+    assert "--shuffle-buffer 4 over --num-lanes 8" in line
+    assert "Pass --shuffle-buffer 9 or more (this command's default is 1024)" in line
+    assert "8192" not in line
+
+
+def test_inspect_of_a_folder_reads_the_files_of_its_one_format(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "a.jsonl", documents(60, seed=1))
+    write_jsonl(data / "b.jsonl", documents(60, seed=2))
+    _, tokenizer = train_test_tokenizer(tmp_path / "tok")
+    result = _cli("inspect", str(data), "--tokenizer", str(tokenizer), "--seq-len", "32",
+                  "--batch-size", "4", "--batches", "1", "--runner", "inline")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "(jsonl; 120 documents)" in result.stdout
+    # The tensors' dtypes as to_training makes them: cu_seqlens is int32.
+    assert re.search(r"input_ids \[4, 32\], labels \[4, 32\], positions \[4, 32\] "
+                     r"\(torch.int64\), cu_seqlens \[4, \d+\] \(torch.int32\)", result.stdout)
+
+
+def test_inspect_of_a_folder_of_several_formats_or_none_says_what_to_pass(
+        tmp_path: Path) -> None:
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    write_jsonl(mixed / "a.jsonl", documents(5, seed=1))
+    (mixed / "b.txt").write_text("a text file\n")
+    line = _one_line_error(_cli("inspect", str(mixed)))
+    assert "holds files of several formats (1 jsonl, 1 text); pass --format jsonl or text" in line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "holds no JSONL, Parquet or text file" in _one_line_error(_cli("inspect", str(empty)))
+    line = _one_line_error(_cli("inspect", str(tmp_path / "data.bin")))
+    assert "cannot tell the format of" in line and "pass --format jsonl, parquet or text" in line

@@ -96,3 +96,27 @@ def test_a_count_that_depends_on_the_data_is_none_with_a_reason(
     pipe = build(corpus_dir, tokenizer)
     assert pipe.num_batches(rank=0, world_size=1) is None
     assert why in unknown_reason(pipe)
+
+
+def test_the_reason_names_every_cause_and_is_public(corpus_dir: Path, tokenizer: Any) -> None:
+    """A JSONL pipeline that packs: packing alone makes the count data-dependent (issue 21)."""
+    pipe = (zt.Pipeline.from_jsonl(str(corpus_dir / "code" / "*.jsonl")).fetch().decode_text()
+            .tokenize(tokenizer).pack_flat(64).batch(2))
+    assert pipe.num_batches(rank=0, world_size=1) is None
+    reason = pipe.num_batches_reason()
+    assert reason == ("decode_text turns empty documents of files into tombstones (seen only "
+                      "by reading); pack_flat may drop, merge or hold back records")
+    assert unknown_reason(pipe) == reason
+    assert items(10).shuffle(64).batch(2).num_batches_reason() is None
+
+
+def test_len_of_a_loader_over_a_packing_pipeline_names_the_packer(corpus_dir: Path,
+                                                                  tokenizer: Any) -> None:
+    pytest.importorskip("torch")
+    pipe = (zt.Pipeline.from_jsonl(str(corpus_dir / "code" / "*.jsonl")).fetch().decode_text()
+            .tokenize(tokenizer).pack_flat(64).batch(2))
+    loader = zt.DataLoader(pipe, to_training=False)
+    with pytest.raises(TypeError, match=r"has no len\(\): .*decode_text turns empty .*; "
+                                        r"pack_flat may drop, merge or hold back records"):
+        len(loader)
+    loader.close()

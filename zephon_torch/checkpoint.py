@@ -61,6 +61,7 @@ from zephon_torch.ops.base import OpContext, Operator, OpTraits
 from zephon_torch.ops.shuffle import BUFFER_SPLIT, lane_buffer_size
 from zephon_torch.sources.base import parse_content_table
 from zephon_torch.sources.schedule import ScheduleState
+from zephon_torch.state_checks import check_fields
 from zephon_torch.types import SampleBatch, SampleRecord
 
 __all__ = [
@@ -249,8 +250,9 @@ class ReplayFilterAccumulator(Accumulator):
     def _diverged(self, lane: int, why: str) -> None:
         raise RuntimeError(
             f"replay diverged on lane {lane}: {why}. The data or the code changed since the "
-            "checkpoint in a way the fingerprint does not cover; resume from an earlier "
-            "checkpoint or start this lane afresh"
+            "checkpoint in a way the fingerprint does not cover, or the state was edited (its "
+            "'epoch', for one, which only the order of the replayed records can show); resume "
+            "from an earlier checkpoint or start this lane afresh"
         )
 
     def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
@@ -485,19 +487,8 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
         changed = _data_changes(mine.get("data"), theirs["data"], fingerprint)
         if changed:
             raise ValueError(changed)
-    for lane, entry in state["lanes"].items():
-        if (not str(lane).isdigit() or int(lane) >= state["num_lanes"]
-                or not isinstance(entry, Mapping)):
-            raise ValueError(f"corrupted state: lane entry {lane!r} (the state has "
-                             f"{state['num_lanes']} lanes); nothing was loaded")
-        for key in ("window", "next", "replay_cursor", "replay_count", "outputs"):
-            if key not in entry:
-                raise ValueError(f"corrupted state: lane {lane} has no {key!r}; nothing was "
-                                 "loaded")
-        problem = _lane_entry_problem(entry)
-        if problem:
-            raise ValueError(f"corrupted state: lane {lane}: {problem}; nothing was loaded "
-                             "(resume from another checkpoint)")
+    # Every field, as untrusted input: keys, types, ranges (the schedule is checked at load).
+    check_fields(state)
     return dict(state)
 
 
@@ -810,36 +801,6 @@ def accept_changed_data(state: Any) -> Any:
         raise ValueError("accept_changed_data: no pipeline state in the value given; pass a "
                          "state_dict() or a checkpoint holding one")
     return result
-
-
-def _ints(value: Any, minimum: int = 1) -> bool:
-    """A list of at least ``minimum`` nonnegative integers."""
-    return (isinstance(value, list) and len(value) >= minimum
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
-
-
-def _lane_entry_problem(entry: Mapping[str, Any]) -> str | None:
-    """What is malformed in one lane's entry (shapes and types), or None."""
-    window = entry["window"]
-    if not isinstance(window, list) or not all(_ints(row, 2) for row in window):
-        return "'window' must be a list of [chunk, global_chunk, counts...] rows"
-    if entry["next"] is not None and not _ints(entry["next"]):
-        return "'next' must be None or [global_chunk, counts...]"
-    for key in ("replay_count", "outputs"):
-        value = entry[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return f"{key!r} must be an integer >= 0, got {value!r}"
-    cursor = entry["replay_cursor"]
-    if cursor is not None and not (
-            isinstance(cursor, list) and len(cursor) == 4 and _ints(cursor[:2], 2)
-            and _ints(cursor[2], 0) and _ints(cursor[3], 3)):
-        return "'replay_cursor' must be None or [chunk, offset, lineage, sample_id]"
-    if cursor is not None and not window:
-        return "a replay cursor without a window"
-    boundaries = entry.get("epoch_boundaries", [])
-    if not _ints(boundaries, 0):
-        return "'epoch_boundaries' must be a list of chunk ids"
-    return None
 
 
 def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -56,6 +56,8 @@ __all__ = ["main"]
 _BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 _SHARDS = 4
 _NUM_LANES = 4
+#: ``inspect --shuffle-buffer``'s default.
+_SHUFFLE_BUFFER = 1024
 
 
 # --------------------------------------------------------------------------- progress
@@ -188,6 +190,18 @@ def _runs(values: Sequence[int], starts: Sequence[int], limit: int = 3) -> str:
     return " | ".join(parts) + more
 
 
+def _tensors(out: dict[str, Any], keys: Sequence[str]) -> str:
+    """Shapes and dtypes, each dtype after the run of tensors that have it:
+    ``input_ids [8, 256], labels [8, 256] (torch.int64), cu_seqlens [8, 12] (torch.int32)``."""
+    groups: list[tuple[Any, list[str]]] = []
+    for key in keys:
+        dtype = out[key].dtype
+        if not groups or groups[-1][0] != dtype:
+            groups.append((dtype, []))
+        groups[-1][1].append(f"{key} {list(out[key].shape)}")
+    return ", ".join(f"{', '.join(shapes)} ({dtype})" for dtype, shapes in groups)
+
+
 def _show_batch(batch: SampleBatch, tokenizer: Any, *, docs: int = 3, width: int = 72) -> None:
     """Shapes of the training tensors, then one row: its documents, positions, cu_seqlens.
 
@@ -196,9 +210,7 @@ def _show_batch(batch: SampleBatch, tokenizer: Any, *, docs: int = 3, width: int
     """
     out = batch.to_training(return_labels=True, return_cu_seqlens=True,
                             return_num_valid_tokens=True)
-    shapes = ", ".join(f"{k} {list(out[k].shape)}" for k in
-                       ("input_ids", "labels", "positions", "cu_seqlens"))
-    print(f"  tensors: {shapes} ({out['input_ids'].dtype}); "
+    print(f"  tensors: {_tensors(out, ('input_ids', 'labels', 'positions', 'cu_seqlens'))}; "
           f"{out['num_valid_tokens']:,} labels not ignored")
     length = out["input_ids"].shape[1]
     # Row i's segment starts: its cu_seqlens without the padding repeats of the length.
@@ -352,27 +364,79 @@ def _demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- inspect
 
 
-def _source_for(pattern: str, fmt: str, **config: Any) -> Pipeline:
-    name = pattern.lower()
-    if fmt == "auto":
-        if ".parquet" in name:
-            fmt = "parquet"
-        elif any(ext in name for ext in (".jsonl", ".json", ".ndjson")):
-            fmt = "jsonl"
-        elif name.endswith((".txt", ".md", "*")):
-            fmt = "text"
-        else:
-            raise SystemExit(f"cannot tell the format of {pattern!r}; pass --format "
-                             "jsonl, parquet or text")
-    if fmt == "parquet":
-        return Pipeline.from_parquet(pattern, **config)
-    if fmt == "jsonl":
-        return Pipeline.from_jsonl(pattern, **config)
-    return Pipeline.from_text_files(pattern, **config)
-
-
 class _UsageError(Exception):
     """A problem with the command's input, shown as one ``error:`` line (no traceback)."""
+
+
+#: The file names of each format, as a folder argument is searched.
+_SUFFIXES = {
+    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".ndjson"),
+    "parquet": (".parquet",),
+    "text": (".txt", ".md"),
+}
+
+
+def _format_of(name: str) -> str | None:
+    """The format a path or glob names by its extension (None: it names none)."""
+    name = name.lower()
+    if ".parquet" in name:
+        return "parquet"
+    if any(ext in name for ext in (".jsonl", ".json", ".ndjson")):
+        return "jsonl"
+    if name.endswith((".txt", ".md", "*")):
+        return "text"
+    return None
+
+
+def _folder_files(folder: Path, fmt: str) -> tuple[str, list[str]]:
+    """The format and files of a folder argument: the files of the one format it holds.
+
+    Raises:
+        _UsageError: The folder holds files of no format, or of several (and
+            ``fmt`` does not choose).
+    """
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    found = {kind: [str(p) for p in files if p.name.lower().endswith(suffixes)]
+             for kind, suffixes in _SUFFIXES.items()}
+    if fmt != "auto":
+        if not found[fmt]:
+            raise _UsageError(f"the folder {str(folder)!r} holds no {fmt} file (names ending "
+                              f"in {', '.join(_SUFFIXES[fmt])}); pass a glob of its files, "
+                              f"such as '{folder}/*'")
+        return fmt, found[fmt]
+    kinds = [kind for kind, paths in found.items() if paths]
+    if len(kinds) == 1:
+        return kinds[0], found[kinds[0]]
+    if not kinds:
+        raise _UsageError(f"the folder {str(folder)!r} holds no JSONL, Parquet or text file "
+                          "(.jsonl, .parquet, .txt, ...); pass a glob of the files to read "
+                          "with --format jsonl, parquet or text")
+    counts = ", ".join(f"{len(found[kind])} {kind}" for kind in kinds)
+    raise _UsageError(f"the folder {str(folder)!r} holds files of several formats ({counts}); "
+                      f"pass --format {' or '.join(kinds)}, or a glob such as "
+                      f"'{folder}/*{_SUFFIXES[kinds[0]][0]}'")
+
+
+def _source_for(pattern: str, fmt: str, **config: Any) -> Pipeline:
+    """The source of ``inspect``'s PATH_OR_GLOB: files, a glob, or a folder of one format.
+
+    Raises:
+        _UsageError: The format cannot be told (pass ``--format``).
+    """
+    paths: str | list[str] = pattern
+    if "://" not in pattern and Path(pattern).is_dir():
+        fmt, paths = _folder_files(Path(pattern), fmt)
+    elif fmt == "auto":
+        named = _format_of(pattern)
+        if named is None:
+            raise _UsageError(f"cannot tell the format of {pattern!r} from its name; pass "
+                              "--format jsonl, parquet or text")
+        fmt = named
+    if fmt == "parquet":
+        return Pipeline.from_parquet(paths, **config)
+    if fmt == "jsonl":
+        return Pipeline.from_jsonl(paths, **config)
+    return Pipeline.from_text_files(paths, **config)
 
 
 def _first_payload(source: Pipeline) -> tuple[Any, str] | None:
@@ -482,6 +546,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _inspect_checked(args: argparse.Namespace) -> int:
+    if args.shuffle_buffer <= args.num_lanes:
+        raise _UsageError(
+            f"--shuffle-buffer {args.shuffle_buffer} over --num-lanes {args.num_lanes} gives "
+            f"each lane a buffer of one row, which does not shuffle: the buffer is shared by "
+            f"the lanes. Pass --shuffle-buffer {args.num_lanes + 1} or more (this command's "
+            f"default is {_SHUFFLE_BUFFER}), or fewer --num-lanes")
     config = {"num_lanes": args.num_lanes, "chunk_size": args.chunk_size, "seed": args.seed}
     source = _source_for(args.path, args.format, **config)
     _check_text_field(source, args.field)
@@ -567,6 +637,26 @@ def _bench(argv: Sequence[str]) -> int:
 # --------------------------------------------------------------------------- main
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer ``>= minimum``, refused as typed (``error:``, status 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+_POSITIVE = _at_least(1)
+_COUNT = _at_least(0)
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Help that shows each option's default, except where there is none to show.
 
@@ -602,12 +692,12 @@ def _parser() -> argparse.ArgumentParser:
                     "fresh iterator and prove the continuation is identical.")
     demo.add_argument("--runner", default="threads", choices=runners,
                       help="where the stages run (the output is the same with each)")
-    demo.add_argument("--num-workers", type=int, default=2,
+    demo.add_argument("--num-workers", type=_COUNT, default=2,
                       help="threads or processes of the runner")
-    demo.add_argument("--docs", type=int, default=4000, help="documents to generate")
-    demo.add_argument("--seq-len", type=int, default=256,
+    demo.add_argument("--docs", type=_POSITIVE, default=4000, help="documents to generate")
+    demo.add_argument("--seq-len", type=_POSITIVE, default=256,
                       help="model sequence length; rows are one token longer, for labels")
-    demo.add_argument("--batch-size", type=int, default=8, help="rows per batch")
+    demo.add_argument("--batch-size", type=_POSITIVE, default=8, help="rows per batch")
     demo.add_argument("--seed", type=int, default=0, help="seed of the corpus and the orders")
     demo.add_argument("--out", help="keep corpus, tokenizer and checkpoint here "
                       "(default: a temporary folder)")
@@ -621,23 +711,23 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", metavar="PATH_OR_GLOB", help="files (a glob or fsspec URL)")
     inspect.add_argument("--tokenizer", help="a tokenizer.json, or a folder holding one "
                          "(default: a BPE trained on a sample of the data)")
-    inspect.add_argument("--seq-len", type=int, default=2048,
+    inspect.add_argument("--seq-len", type=_POSITIVE, default=2048,
                          help="model sequence length; rows are one token longer, for labels")
-    inspect.add_argument("--batches", type=int, default=3, help="batches to show")
-    inspect.add_argument("--batch-size", type=int, default=8, help="rows per batch")
+    inspect.add_argument("--batches", type=_POSITIVE, default=3, help="batches to show")
+    inspect.add_argument("--batch-size", type=_POSITIVE, default=8, help="rows per batch")
     inspect.add_argument("--field", default="text", help="the text field of each record")
     inspect.add_argument("--format", default="auto", choices=["auto", "jsonl", "parquet", "text"],
                          help="the files' format; auto reads it from the extension")
-    inspect.add_argument("--num-lanes", type=int, default=8, help="lanes of the pipeline")
-    inspect.add_argument("--chunk-size", type=int, default=512,
+    inspect.add_argument("--num-lanes", type=_POSITIVE, default=8, help="lanes of the pipeline")
+    inspect.add_argument("--chunk-size", type=_POSITIVE, default=512,
                          help="samples a lane reads at a time")
-    inspect.add_argument("--shuffle-buffer", type=int, default=1024,
+    inspect.add_argument("--shuffle-buffer", type=_at_least(2), default=_SHUFFLE_BUFFER,
                          help="buffer of the shuffle stage, in packed rows over all lanes")
     inspect.add_argument("--seed", type=int, default=0, help="seed of the read order")
-    inspect.add_argument("--docs-shown", type=int, default=2, help="documents shown per batch")
+    inspect.add_argument("--docs-shown", type=_COUNT, default=2, help="documents shown per batch")
     inspect.add_argument("--runner", default="threads", choices=runners,
                          help="where the stages run (the output is the same with each)")
-    inspect.add_argument("--num-workers", type=int, default=2,
+    inspect.add_argument("--num-workers", type=_COUNT, default=2,
                          help="threads or processes of the runner")
 
     commands.add_parser(

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
 
 __all__ = [
+    "MAX_EPOCH",
     "EpochCounter",
     "check_epoch",
     "check_state_epoch",
@@ -71,12 +72,23 @@ __all__ = [
 _EPOCH_DOMAIN = 0x65706F6368
 
 
+#: The last epoch (int64's largest): an epoch's seed folds it into 64 bits, so
+#: epochs 2**64 apart would share an order.
+MAX_EPOCH = 2**63 - 1
+
+
+_TOO_LATE = ("an epoch's seed holds 64 bits, so a later epoch would repeat the order of an "
+             "earlier one")
+
+
 def check_epoch(epoch: Any, name: str = "epoch") -> int:
-    """``epoch`` as an int, or a ValueError: epochs count from 0."""
+    """``epoch`` as an int, or a ValueError: epochs count from 0 up to :data:`MAX_EPOCH`."""
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         raise ValueError(
             f"{name} must be an integer >= 0 (the first epoch is 0), got {epoch!r}"
         )
+    if epoch > MAX_EPOCH:
+        raise ValueError(f"{name} must be at most {MAX_EPOCH}, got {epoch!r}: {_TOO_LATE}")
     return int(epoch)
 
 
@@ -113,7 +125,7 @@ def state_epoch(state: Mapping[str, Any]) -> int:
     """The epoch a state was saved in (0 for states saved before epochs existed).
 
     Raises:
-        ValueError: The state's ``"epoch"`` is not an integer >= 0.
+        ValueError: The state's ``"epoch"`` is not an integer in ``[0, MAX_EPOCH]``.
     """
     value = state.get("epoch", 0)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -121,6 +133,9 @@ def state_epoch(state: Mapping[str, Any]) -> int:
             f"corrupted state: 'epoch' must be an integer >= 0, got {value!r}; nothing was "
             "loaded"
         )
+    if value > MAX_EPOCH:
+        raise ValueError(f"corrupted state: 'epoch' is {value!r}, outside the allowed range "
+                         f"[0, {MAX_EPOCH}] ({_TOO_LATE}); nothing was loaded")
     return value
 
 

@@ -51,7 +51,15 @@ __all__ = ["lane_records", "num_batches", "unknown_reason"]
 
 
 def unknown_reason(pipeline: Pipeline) -> str | None:
-    """Why the pipeline's item count is not known in advance (None: it is)."""
+    """Why the pipeline's item count is not known in advance (None: it is).
+
+    Every cause is named, in the order of the chain (datasets, then stages,
+    then what only the data shows), separated by ``"; "``: a JSONL pipeline
+    that packs is data-dependent both because ``decode_text`` may meet empty
+    documents and because ``pack_flat`` fills rows by length, and removing
+    only the first would not give it a count. The data itself (in-memory
+    items with empty texts) is only looked at when nothing else decides.
+    """
     from zephon_torch.ops.batch import Batch
     from zephon_torch.ops.io import DecodeText, Fetch
     from zephon_torch.ops.shuffle import Shuffle
@@ -59,13 +67,14 @@ def unknown_reason(pipeline: Pipeline) -> str | None:
 
     src = pipeline.source
     datasets = src.datasets
+    reasons: list[str] = []
     for dataset in datasets:
         trips = dataset.passes if dataset.passes is not None else src.passes
         if trips is None:
-            return f"dataset {dataset.name!r} repeats forever (passes=None)"
+            reasons.append(f"dataset {dataset.name!r} repeats forever (passes=None)")
         if getattr(dataset, "on_error", "raise") != "raise":
-            return (f"dataset {dataset.name!r} has on_error={dataset.on_error!r}: bad samples "
-                    "become tombstones")
+            reasons.append(f"dataset {dataset.name!r} has on_error={dataset.on_error!r}: bad "
+                           "samples become tombstones")
     in_memory = all(s.access == "inline" for d in datasets for s in d.shards())
     ops = pipeline.ops
     names = pipeline.stage_names()
@@ -73,19 +82,23 @@ def unknown_reason(pipeline: Pipeline) -> str | None:
         kind = type(op)
         if kind is Batch:
             if i != len(ops) - 1:
-                return f"{name} is followed by other stages"
-            continue
-        if kind is DecodeText and not in_memory:
-            return f"{name} turns empty documents of files into tombstones (seen only by reading)"
-        if kind not in (Fetch, DecodeText, Tokenize, Shuffle):
-            return f"{name} may drop, merge or hold back records"
-        if getattr(op, "on_error", "raise") != "raise":
-            return f"{name} has on_error={op.on_error!r}: bad samples become tombstones"
+                reasons.append(f"{name} is followed by other stages")
+        elif kind is DecodeText and not in_memory:
+            reasons.append(f"{name} turns empty documents of files into tombstones (seen only "
+                           "by reading)")
+        elif kind not in (Fetch, DecodeText, Tokenize, Shuffle):
+            reasons.append(f"{name} may drop, merge or hold back records")
+        if kind in (Batch, Fetch, DecodeText, Tokenize, Shuffle) and getattr(
+                op, "on_error", "raise") != "raise":
+            reasons.append(f"{name} has on_error={op.on_error!r}: bad samples become "
+                           "tombstones")
     for dataset in datasets:
-        for shard in dataset.shards():
-            if shard.access == "stream":
-                return (f"dataset {dataset.name!r} is read as a stream ({shard.name}): empty "
-                        "documents become tombstones")
+        stream = next((shard for shard in dataset.shards() if shard.access == "stream"), None)
+        if stream is not None:
+            reasons.append(f"dataset {dataset.name!r} is read as a stream ({stream.name}): "
+                           "empty documents become tombstones")
+    if reasons:
+        return "; ".join(reasons)
     fields = {op.field for op in ops if type(op) is DecodeText}
     for dataset in datasets:
         if dataset.kind != "items" or not len(dataset):
@@ -94,9 +107,9 @@ def unknown_reason(pipeline: Pipeline) -> str | None:
         if empty_text_rows(payloads) or any(
                 type(p) is dict and type(p.get(f)) is str and is_empty_text(p[f])
                 for p in payloads for f in fields):
-            return (f"dataset {dataset.name!r} holds empty texts, which become tombstones "
-                    "wherever the order puts them")
-    return None
+            reasons.append(f"dataset {dataset.name!r} holds empty texts, which become "
+                           "tombstones wherever the order puts them")
+    return "; ".join(reasons) or None
 
 
 def lane_records(pipeline: Pipeline) -> dict[int, list[int]] | None:

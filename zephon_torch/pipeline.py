@@ -1149,12 +1149,24 @@ class Pipeline:
         loop wait for batches that never come): exact for finite sources that
         cannot make tombstones followed only by ``fetch``, ``tokenize``,
         ``shuffle``, a final ``batch`` (and ``decode_text`` over in-memory
-        items); see ``zephon_torch.length``, whose ``unknown_reason`` says why
-        a count is ``None``. The same in every epoch.
+        items); see ``zephon_torch.length``. :meth:`num_batches_reason` says
+        why a count is ``None``. The same in every epoch.
         """
         from zephon_torch.length import num_batches
 
         return num_batches(self, rank=rank, world_size=world_size, lanes=lanes)
+
+    def num_batches_reason(self) -> str | None:
+        """Why :meth:`num_batches` is ``None``: every cause, in chain order (None: it is known).
+
+        Example:
+            >>> pipe = Pipeline.from_items(["a b"] * 4).map_transform(lambda p: p).batch(2)
+            >>> pipe.num_batches_reason()
+            'map_transform may drop, merge or hold back records'
+        """
+        from zephon_torch.length import unknown_reason
+
+        return unknown_reason(self)
 
     def to_torch_dataset(self, **iter_kwargs: Any) -> TorchIterableDataset:
         """This pipeline as a torch ``IterableDataset`` with ``state_dict``/``load_state_dict``.

@@ -871,6 +871,8 @@ class PipelineIterator:
                 deterministic=self.deterministic, num_lanes=self.pipeline.source.num_lanes,
                 lanes=self.lanes)
             epoch, previous = check_state_epoch(state, self._epoch_asked), self.epoch
+            resume.check_resumable(state, self.pipeline, epoch=epoch, lanes=self.lanes,
+                                   schedule=self.schedule if epoch == previous else None)
             if epoch != previous:  # the state's epoch: its seeds, its pools
                 self._prepare(epoch)
             try:

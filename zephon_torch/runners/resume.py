@@ -7,6 +7,8 @@
   books (a lane still replaying a loaded state keeps the loaded entry);
 * :func:`checked_state`: a state validated for this iterator (``check_state``
   plus its lanes);
+* :func:`check_resumable`: its lane entries checked against the schedule of
+  its epoch (``state_checks.py``), before anything runs;
 * :func:`plan_resume`: what a loaded state means for a new run: where each
   lane's progress starts, the replay targets of the replay filter, the
   windows the source emits again, the emitter's first chunk and the
@@ -34,10 +36,13 @@ from zephon_torch.checkpoint import (
     lane_state,
     state_checksum,
 )
+from zephon_torch.epochs import epoch_pipeline
+from zephon_torch.runners.assembly import make_schedule
 from zephon_torch.sources.schedule import Chunk, ScheduleState, WorkSchedule
+from zephon_torch.state_checks import check_against_schedule
 
-__all__ = ["ResumePlan", "ScheduleView", "checked_state", "lane_entries", "make_state",
-           "narrow_state", "plan_resume"]
+__all__ = ["ResumePlan", "ScheduleView", "check_resumable", "checked_state", "lane_entries",
+           "make_state", "narrow_state", "plan_resume"]
 
 
 class EmitterView(Protocol):
@@ -116,10 +121,31 @@ def checked_state(state: Any, *, fingerprint: Mapping[str, Any], stage_names: Se
     if missing:
         raise ValueError(
             f"the state has no entry for lane(s) {missing} (it holds lanes "
-            f"{sorted(int(k) for k in state['lanes'])}); merge every rank's state with "
-            "zephon_torch.checkpoint.merge_states() before resuming on another world size"
+            f"{sorted(int(k) for k in state['lanes'])}): it is one rank's state, and this "
+            "iterator resumes other lanes (another world size or rank). If every rank saved its "
+            "state, merge them with zephon_torch.checkpoint.merge_states() and load the result; "
+            "if only one rank wrote the checkpoint (usually rank 0), its file lacks the others' "
+            "lanes: save with loader.state_dict(gather=True) (zephon_torch.DataLoader gathers "
+            "every rank's state into one, the default when Lightning saves), or merge_states() "
+            "of all the ranks' states before writing"
         )
     return state
+
+
+def check_resumable(state: Mapping[str, Any], pipeline: Any, *, epoch: int,
+                    lanes: Sequence[int], schedule: WorkSchedule | None = None) -> None:
+    """Check a state's lane entries against the schedule of its ``epoch`` (see
+    ``state_checks.py``); ``lanes`` are those that resume from it.
+
+    ``schedule``: the epoch's schedule when the caller has it (else it is made
+    from ``pipeline``, the one the state's fingerprint describes).
+
+    Raises:
+        ValueError: A lane entry is not one the pipeline could have written.
+    """
+    if schedule is None:
+        schedule = make_schedule(epoch_pipeline(pipeline, epoch).source)
+    check_against_schedule(state, schedule, flush_every=pipeline.flush_every(), lanes=lanes)
 
 
 class ResumePlan(NamedTuple):

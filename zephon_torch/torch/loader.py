@@ -140,13 +140,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zephon_torch.checkpoint import check_state, merge_states, refuse_nondeterministic
-from zephon_torch.epochs import EpochCounter, check_epoch
-from zephon_torch.length import unknown_reason
+from zephon_torch.epochs import EpochCounter, check_epoch, state_epoch
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.assembly import remote_stages
 from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
 from zephon_torch.runners.process import SigtermGuard
-from zephon_torch.runners.resume import narrow_state
+from zephon_torch.runners.resume import check_resumable, narrow_state
 from zephon_torch.topology import owned_lanes, resolve_topology, warn_idle_workers
 from zephon_torch.torch._loader_dist import StepVote
 from zephon_torch.torch._loader_dist import gather as gather_states
@@ -407,7 +406,7 @@ class DataLoader:
         if count is None:
             raise TypeError(
                 f"this zephon DataLoader has no len(): the number of batches depends on the data "
-                f"({unknown_reason(self.pipeline)}); train by steps (max_steps), see "
+                f"({self.pipeline.num_batches_reason()}); train by steps (max_steps), see "
                 "docs/epochs.md"
             )
         if self.on_uneven == "stop" and world_size > 1 and lanes is None \
@@ -662,6 +661,8 @@ class DataLoader:
         if checked["num_lanes"] != self.pipeline.source.num_lanes:
             raise ValueError(f"the state has {checked['num_lanes']} lanes, this pipeline "
                              f"{self.pipeline.source.num_lanes}")
+        check_resumable(checked, self.pipeline, epoch=state_epoch(checked),
+                        lanes=self._own_lanes())
         self._end_active("load_state_dict()")
         # The state's epoch runs next; a state saved after the end of its epoch leaves
         # nothing to resume: the next iteration starts the following epoch afresh.

@@ -148,7 +148,7 @@ from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
 from zephon_torch.runners.process import SigtermGuard
 from zephon_torch.runners.resume import narrow_state
 from zephon_torch.topology import owned_lanes, resolve_topology, warn_idle_workers
-from zephon_torch.torch._loader_dist import StepVote
+from zephon_torch.torch._loader_dist import BATCH, END, FAILED, StepVote, stopped_state
 from zephon_torch.torch._loader_dist import gather as gather_states
 from zephon_torch.torch._loader_engine import (
     EngineProcess,
@@ -540,6 +540,38 @@ class DataLoader:
         placer = Placer(with_index(self.device), self.pin_memory)
         return _Run(producer, placer, self.prefetch_factor, vote, guard)
 
+    def _stopped(self) -> None:
+        """The ranks voted to stop this iteration: its epoch is over here too.
+
+        What this rank had not read of the epoch is dropped, and its
+        position says so (every lane ended), as the position of the rank
+        that ran out does: every rank's state is of this epoch, with nothing
+        left in it, so they merge, and loading them starts the next epoch,
+        as iterating again does (see ``_loader_dist.py``).
+        """
+        position = self._position
+        epoch = self._epochs.epoch
+        base = position.state if position.state is not None else self._fresh_state(epoch)
+        position.state = stopped_state(base)
+        if not position.count:
+            rank, world_size = resolve_topology(self.rank, self.world_size)
+            warnings.warn(
+                f"zephon DataLoader: epoch {epoch} ended at step 0 on every rank "
+                f"(on_uneven='stop'): rank {rank} of {world_size} has batches in it, but "
+                "another rank has none, so none of them is trained on in this epoch. Give "
+                "every rank data (more documents, smaller chunk_size, or num_lanes a multiple "
+                "of the world size), or use on_uneven='continue' for a loop without a "
+                "collective per step (evaluation)", RuntimeWarning, stacklevel=4)
+
+    def _peer_failed(self, step: int) -> str:
+        """The message of a rank whose peer's loader failed at ``step`` of this epoch."""
+        rank, world_size = resolve_topology(self.rank, self.world_size)
+        return (
+            f"zephon DataLoader: another rank's loader failed at step {step} of epoch "
+            f"{self._epochs.epoch} (its error is in that rank's log); rank {rank} of "
+            f"{world_size} stops too, rather than wait for it in the next collective"
+        )
+
     def _end_active(self, reason: str | None = None) -> None:
         """End the current iteration; ``reason``: why, for an iterator in progress to raise."""
         active = self._active() if self._active is not None else None
@@ -634,13 +666,15 @@ class DataLoader:
         return owned_lanes(self.pipeline.source.num_lanes, rank, world_size,
                            self.iter_kwargs.get("lanes"))
 
-    def _fresh_state(self) -> dict[str, Any]:
-        """The state of an iterator that has not started (built inline, here)."""
+    def _fresh_state(self, epoch: int | None = None) -> dict[str, Any]:
+        """The state of an iterator of ``epoch`` (default: the next) that has not started
+        (built inline, here)."""
         rank, world_size = resolve_topology(self.rank, self.world_size)
         # A state needs no workers: no task_timeout (which only the process runner takes).
         kwargs = {k: v for k, v in self.iter_kwargs.items() if k != "task_timeout"}
         it = self.pipeline.iter(runner="inline", rank=rank, world_size=world_size,
-                                epoch=self._epochs.next_epoch, **kwargs)
+                                epoch=self._epochs.next_epoch if epoch is None else epoch,
+                                **kwargs)
         try:
             return it.state_dict()
         finally:
@@ -1082,8 +1116,13 @@ class _LoaderIterator:
         vote = run.vote
         # Every rank votes at every step, errors and ends included, so that no rank
         # is left waiting in a collective for one that has stopped.
-        if vote is not None and not vote.agree(kind == "batch") and kind == "batch":
-            raise self._finish(None)
+        if vote is not None:
+            agreed = vote.agree(BATCH if kind == "batch" else END if kind == "end" else FAILED)
+            if agreed == FAILED and kind in ("batch", "end"):
+                self._finish(None)
+                raise RuntimeError(self._loader._peer_failed(self._position.count))
+            if agreed == END and kind == "batch":
+                raise self._finish(None)
         if kind != "batch":
             raise self._finish(event)
         _, payload, state, ready = event
@@ -1095,6 +1134,7 @@ class _LoaderIterator:
         self._done = True
         self.close()
         if event is None:
+            self._loader._stopped()
             return StopIteration()
         if event[0] == "end":
             self._position.state = event[1]

@@ -36,7 +36,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _job(nproc: int, out: Path, *args: str, on_uneven: str = "stop") -> list[dict[str, Any]]:
+def _job(nproc: int, out: Path, *args: str, on_uneven: str = "stop",
+         timeout: float = 240) -> list[dict[str, Any]]:
     """Run the job on ``nproc`` ranks; every rank's record."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
@@ -46,7 +47,8 @@ def _job(nproc: int, out: Path, *args: str, on_uneven: str = "stop") -> list[dic
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                env=env)
     except subprocess.TimeoutExpired as exc:  # a rank stuck in a collective
         pytest.fail(f"torchrun {' '.join(args)} did not finish:\n{exc.stdout}\n{exc.stderr}")
     assert result.returncode == 0, f"torchrun {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
@@ -160,3 +162,14 @@ def test_continue_lets_each_rank_run_to_its_end_and_still_gathers(tmp_path):
     for record in ranks:
         assert record["errors"] == [] and record["loader_epoch"] == [0, 1, 2]
         assert [state["epoch"] for state in record["gathered"]] == [0, 1, 2]
+
+
+def test_a_rank_whose_pipeline_fails_makes_every_rank_raise_instead_of_stopping(tmp_path):
+    ranks = _job(2, tmp_path, "fail", timeout=120)
+    (own,) = ranks[1]["errors"]
+    assert "bad document d35" in own
+    # Rank 0 had its batch: it does not take the failure for the end of the data (and
+    # go on to the next epoch, to wait for rank 1 in a collective that never comes).
+    (peer,) = ranks[0]["errors"]
+    assert "another rank's loader failed at step 0 of epoch 0" in peer
+    assert ranks[0]["batches"] == [] and ranks[0]["loader_epoch"] == []

@@ -11,6 +11,8 @@ Scenarios:
     ``uneven``: 36 shuffled documents in 4 lanes of 4-document chunks,
         batches of 2 (rank 0 owns 10 batches, rank 1 8). Three epochs; a
         gathered state after epoch 0 and one after step 3 of epoch 1.
+    ``fail``: ``uneven`` whose pipeline raises on a document of rank 1's
+        (its first chunk, before step 0 of epoch 0): every rank must raise, none wait.
     ``resume``: load ``--state`` and iterate the loader until ``--epochs``
         iterations have run (used on 2 ranks and on 1).
 """
@@ -29,12 +31,24 @@ import torch.distributed as dist
 import zephon_torch as zt
 
 
+def _boom(payload: dict[str, str]) -> dict[str, str]:
+    if payload["text"] == FAILING:
+        raise ValueError(f"bad document {FAILING}")
+    return payload
+
+
+FAILING = "d35"  # in rank 1's first chunk of epoch 0
+
+
 def pipeline(name: str) -> zt.Pipeline:
     """The pipeline of a scenario (the same in the job and in the test's reference)."""
     if name == "tiny":
         return zt.Pipeline.from_items(["d0", "d1", "d2"], num_lanes=4).batch(1)
-    return zt.Pipeline.from_items([f"d{i}" for i in range(36)], num_lanes=4, chunk_size=4,
-                                  shuffle=True, seed=3).batch(2)
+    pipe = zt.Pipeline.from_items([f"d{i}" for i in range(36)], num_lanes=4, chunk_size=4,
+                                  shuffle=True, seed=3)
+    if name == "fail":
+        pipe = pipe.map_transform(_boom)
+    return pipe.batch(2)
 
 
 def _ids(batch: Any) -> list[str]:
@@ -58,7 +72,7 @@ def _epochs(loader: zt.DataLoader, epochs: int, save_at: tuple[int, int] | None,
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=("tiny", "uneven", "resume"))
+    parser.add_argument("scenario", choices=("tiny", "uneven", "fail", "resume"))
     parser.add_argument("--pipeline", default="tiny")
     parser.add_argument("--out", required=True)
     parser.add_argument("--state", default=None)

@@ -100,8 +100,11 @@ How one iteration is laid out (``num_workers=N >= 1``, the default runner ``"lan
   training loop neither ends that loop nor moves the position
   :meth:`DataLoader.state_dict` saves. A bare ``iter()`` is always
   allowed; when nothing is in progress it becomes the current iteration
-  at once (so the position is where it will start).
-  :meth:`DataLoader.load_state_dict` ends an iteration in progress, whose
+  at once (so the position is where it will start). Threads change none
+  of this: of two iterators whose first ``next()`` comes at the same moment
+  from two threads, one starts and the other is refused (a lock covers the
+  start), and ``next()`` on one iterator while another thread is in it is
+  refused too. :meth:`DataLoader.load_state_dict` ends an iteration in progress, whose
   next ``next()`` then raises a ``RuntimeError`` rather than ending quietly.
 * **Timeout.** ``timeout=`` (seconds, as in torch) bounds the wait for
   each batch in ``next()``; when it passes, the iteration ends, its
@@ -342,6 +345,9 @@ class DataLoader:
         self._loaded: dict[str, Any] | None = None  # waits for the next iteration
         # The current iteration's iterator (held weakly: a dropped iterator ends its run).
         self._active: weakref.ref[_LoaderIterator] | None = None
+        # Held while an iteration is claimed or started, so that of two threads starting
+        # at the same moment one starts and the other is refused (see the module doc).
+        self._starting = threading.Lock()
 
     @property
     def timeout(self) -> float:
@@ -453,8 +459,9 @@ class DataLoader:
         # nor use up a loaded state. While another iteration is in progress, the new
         # iterator changes nothing here; its first next() decides (see _begin).
         iterator = _LoaderIterator(self)
-        if self._in_progress() is None:
-            self._claim(iterator)
+        with self._starting:
+            if self._in_progress() is None:
+                self._claim(iterator)
         return iterator
 
     def _in_progress(self) -> _LoaderIterator | None:
@@ -1071,6 +1078,7 @@ class _LoaderIterator:
         self._done = False
         self.ended_by: str | None = None  # what ended the iteration while it was in progress
         self._finalizer: weakref.finalize | None = None
+        self._busy = threading.Lock()  # held by the thread in next()
 
     @property
     def started(self) -> bool:
@@ -1098,6 +1106,18 @@ class _LoaderIterator:
         return self
 
     def __next__(self) -> Any:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                "next() on an iterator of a zephon DataLoader while another thread is in "
+                "next() on it: an iterator hands out its batches in one order, to one thread "
+                "at a time. Iterate in one thread and pass the batches on (a queue.Queue)"
+            )
+        try:
+            return self._next()
+        finally:
+            self._busy.release()
+
+    def _next(self) -> Any:
         if self.ended_by is not None:
             raise RuntimeError(
                 f"this iteration of the zephon DataLoader was ended by {self.ended_by}; the "
@@ -1108,9 +1128,10 @@ class _LoaderIterator:
             raise StopIteration
         run = self._run
         if run is None:
-            run = self._loader._begin(self)  # refuses while another iteration is in progress
-            self._run = run
-            self._finalizer = weakref.finalize(self, run.close)
+            with self._loader._starting:  # one thread starts; the others see it in progress
+                run = self._loader._begin(self)  # refuses while another is in progress
+                self._run = run
+                self._finalizer = weakref.finalize(self, run.close)
         event = run.get(self._loader.timeout)
         kind = event[0]
         vote = run.vote

@@ -173,3 +173,25 @@ def test_a_rank_whose_pipeline_fails_makes_every_rank_raise_instead_of_stopping(
     (peer,) = ranks[0]["errors"]
     assert "another rank's loader failed at step 0 of epoch 0" in peer
     assert ranks[0]["batches"] == [] and ranks[0]["loader_epoch"] == []
+
+
+def test_a_single_process_rank_without_a_batch_keeps_its_epochs_in_step():
+    """Without a process group (rank and world size given), no vote: each rank runs alone."""
+    import zephon_torch as zt
+
+    empty = zt.DataLoader(pipeline("tiny"), to_training=False, rank=1, world_size=2)
+    full = zt.DataLoader(pipeline("tiny"), to_training=False, rank=0, world_size=2)
+    states = []
+    for epoch in range(3):
+        assert list(empty) == []
+        assert [_ids(b) for b in full] == _reference("tiny", epoch, 0, 2)
+        assert empty.epoch == full.epoch == epoch
+        states.append([empty.state_dict(), full.state_dict()])
+        assert [s["epoch"] for s in states[-1]] == [epoch, epoch]
+    # Each rank's own state of epoch 1 resumes in step with the other's.
+    again = [zt.DataLoader(pipeline("tiny"), to_training=False, rank=r, world_size=2)
+             for r in (1, 0)]
+    for loader, state in zip(again, states[1]):
+        loader.load_state_dict(state)
+    assert list(again[0]) == [] and [_ids(b) for b in again[1]] == _reference("tiny", 2, 0, 2)
+    assert again[0].epoch == again[1].epoch == 2

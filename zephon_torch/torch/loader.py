@@ -81,6 +81,14 @@ How one iteration is laid out (``num_workers=N >= 1``, the default runner ``"lan
   goes through the default group on the current CUDA device and its
   ``.item()`` synchronizes that device once per step. ``"continue"`` lets
   each rank run to its own end.
+  The stop ends the epoch on every rank: what a rank had not read of it is
+  dropped (as ``drop_last`` does for torch's ``DistributedSampler``), and
+  its state says so (that epoch, every lane ended, as the state of the rank
+  that ran out), so the ranks agree on their epoch, their states gather, and
+  a resume from them starts the next epoch as iterating again does. A rank
+  with no batch at all stops every rank at step 0, with a warning on the
+  ranks that had some; a rank whose pipeline fails makes the others raise
+  too (see ``_loader_dist.py``).
 * **Epochs.** Every iteration runs one epoch of the pipeline
   (``pipe.iter(epoch=n)``, see ``docs/epochs.md``): iterating again after
   the end (or after a ``break``) starts the next epoch from its beginning,
@@ -234,7 +242,8 @@ class DataLoader:
             process (on the prefetch thread) instead of an engine process;
             for debugging. The other runners always run there.
         on_uneven: ``"stop"``: under an initialized ``torch.distributed``
-            group every rank stops when the first runs out; ``"continue"``:
+            group every rank stops when the first runs out, and the rest of
+            that epoch is dropped on every rank; ``"continue"``:
             each rank runs to its own end. No effect without distributed.
         rank, world_size: The topology (default: ``torch.distributed`` when
             initialized, else ``RANK``/``WORLD_SIZE``, else 0 and 1).
@@ -1113,42 +1122,40 @@ class _LoaderIterator:
                 "at a time. Iterate in one thread and pass the batches on (a queue.Queue)"
             )
         try:
-            return self._next()
+            if self.ended_by is not None:
+                raise RuntimeError(
+                    f"this iteration of the zephon DataLoader was ended by {self.ended_by}; the "
+                    "loaded state applies to a new iteration: iterate the loader again (for batch "
+                    "in loader) to continue from it"
+                )
+            if self._done:
+                raise StopIteration
+            run = self._run
+            if run is None:
+                with self._loader._starting:  # one thread starts; the others see it in progress
+                    run = self._loader._begin(self)  # refuses while another is in progress
+                    self._run = run
+                    self._finalizer = weakref.finalize(self, run.close)
+            event = run.get(self._loader.timeout)
+            kind = event[0]
+            vote = run.vote
+            # Every rank votes at every step, errors and ends included, so that no rank
+            # is left waiting in a collective for one that has stopped.
+            if vote is not None:
+                have = BATCH if kind == "batch" else END if kind == "end" else FAILED
+                agreed = vote.agree(have)
+                if agreed == FAILED and kind in ("batch", "end"):
+                    self.close()  # the job fails: no position to keep for it
+                    raise RuntimeError(self._loader._peer_failed(self._position.count))
+                if agreed == END and kind == "batch":
+                    raise self._finish(None)
+            if kind != "batch":
+                raise self._finish(event)
+            _, payload, state, ready = event
+            self._position.hand(state)
+            return run.placer.hand_over(payload, ready)
         finally:
             self._busy.release()
-
-    def _next(self) -> Any:
-        if self.ended_by is not None:
-            raise RuntimeError(
-                f"this iteration of the zephon DataLoader was ended by {self.ended_by}; the "
-                "loaded state applies to a new iteration: iterate the loader again (for batch "
-                "in loader) to continue from it"
-            )
-        if self._done:
-            raise StopIteration
-        run = self._run
-        if run is None:
-            with self._loader._starting:  # one thread starts; the others see it in progress
-                run = self._loader._begin(self)  # refuses while another is in progress
-                self._run = run
-                self._finalizer = weakref.finalize(self, run.close)
-        event = run.get(self._loader.timeout)
-        kind = event[0]
-        vote = run.vote
-        # Every rank votes at every step, errors and ends included, so that no rank
-        # is left waiting in a collective for one that has stopped.
-        if vote is not None:
-            agreed = vote.agree(BATCH if kind == "batch" else END if kind == "end" else FAILED)
-            if agreed == FAILED and kind in ("batch", "end"):
-                self._finish(None)
-                raise RuntimeError(self._loader._peer_failed(self._position.count))
-            if agreed == END and kind == "batch":
-                raise self._finish(None)
-        if kind != "batch":
-            raise self._finish(event)
-        _, payload, state, ready = event
-        self._position.hand(state)
-        return run.placer.hand_over(payload, ready)
 
     def _finish(self, event: tuple | None) -> BaseException:
         """End the iteration; what to raise after ``event`` (None: the ranks voted to stop)."""

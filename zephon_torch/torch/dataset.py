@@ -47,12 +47,16 @@ over if the other has ended or been dropped by then, and is refused with a
 the running loop neither ends early nor has its saved position moved.
 ``state_dict()`` settles the same question: torchdata's
 ``StatefulDataLoader`` creates the new epoch's iterator while it still
-holds the previous one, and drops that one right after.
+holds the previous one, and drops that one right after. Threads change
+none of this: a lock covers ``iter()`` and an iteration's start (up to its
+first item), so of two iterators started at the same moment from two
+threads one runs and the other is refused.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -173,14 +177,19 @@ class _DatasetIterator:
         return self
 
     def __next__(self) -> Any:
-        if self.live is not None and self.live.handed == 0 \
-                and self.live is not self._dataset._live:
-            self.live = None  # a newer iter() replaced it before it started: start afresh
-        if self.live is None:
-            self._dataset._take_over(self)  # refuses while another iteration is in progress
-            if self.live is None:  # the dataset owns no lane here
-                raise StopIteration
-        return next(self.live)
+        if self.live is not None and self.live.handed:
+            return next(self.live)
+        # Not started yet: the start and the first item under the dataset's lock, so that
+        # another thread starting meanwhile finds this iteration in progress.
+        with self._dataset._lock:
+            if self.live is not None and self.live.handed == 0 \
+                    and self.live is not self._dataset._live:
+                self.live = None  # a newer iter() replaced it before it started: start afresh
+            if self.live is None:
+                self._dataset._take_over(self)  # refuses while another is in progress
+                if self.live is None:  # the dataset owns no lane here
+                    raise StopIteration
+            return next(self.live)
 
 
 class TorchIterableDataset(torch.utils.data.IterableDataset):
@@ -216,6 +225,7 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         # The iterator handed out for _live, and the latest one waiting to take over.
         self._owner: weakref.ref[_DatasetIterator] | None = None
         self._waiting: weakref.ref[_DatasetIterator] | None = None
+        self._lock = threading.RLock()  # iter() and starts (see the module doc)
 
     # ------------------------------------------------------------------ epochs
 
@@ -260,10 +270,11 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         module doc).
         """
         handle = _DatasetIterator(self, None)
-        if self._in_progress() is not None:
-            self._waiting = weakref.ref(handle)
-            return handle
-        self._claim(handle)
+        with self._lock:
+            if self._in_progress() is not None:
+                self._waiting = weakref.ref(handle)
+                return handle
+            self._claim(handle)
         if handle.live is None:
             return iter(())
         return handle
@@ -351,7 +362,8 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         owns no lane. An iterator waiting for an iteration in progress that
         has meanwhile been dropped takes over first (see the module doc).
         """
-        self._settle()
+        with self._lock:
+            self._settle()
         live = self._live
         if live is not None and live.pid == os.getpid():
             return live.position()
@@ -396,8 +408,12 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         # The live iterator (threads, pools) stays in the process that made it.
         state = dict(self.__dict__)
-        state["_live"] = state["_owner"] = state["_waiting"] = None
+        state["_live"] = state["_owner"] = state["_waiting"] = state["_lock"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     def __repr__(self) -> str:
         return f"TorchIterableDataset({self.pipeline!r})"

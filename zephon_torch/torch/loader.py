@@ -81,6 +81,14 @@ How one iteration is laid out (``num_workers=N >= 1``, the default runner ``"lan
   goes through the default group on the current CUDA device and its
   ``.item()`` synchronizes that device once per step. ``"continue"`` lets
   each rank run to its own end.
+  The stop ends the epoch on every rank: what a rank had not read of it is
+  dropped (as ``drop_last`` does for torch's ``DistributedSampler``), and
+  its state says so (that epoch, every lane ended, as the state of the rank
+  that ran out), so the ranks agree on their epoch, their states gather, and
+  a resume from them starts the next epoch as iterating again does. A rank
+  with no batch at all stops every rank at step 0, with a warning on the
+  ranks that had some; a rank whose pipeline fails makes the others raise
+  too (see ``_loader_dist.py``).
 * **Epochs.** Every iteration runs one epoch of the pipeline
   (``pipe.iter(epoch=n)``, see ``docs/epochs.md``): iterating again after
   the end (or after a ``break``) starts the next epoch from its beginning,
@@ -100,8 +108,11 @@ How one iteration is laid out (``num_workers=N >= 1``, the default runner ``"lan
   training loop neither ends that loop nor moves the position
   :meth:`DataLoader.state_dict` saves. A bare ``iter()`` is always
   allowed; when nothing is in progress it becomes the current iteration
-  at once (so the position is where it will start).
-  :meth:`DataLoader.load_state_dict` ends an iteration in progress, whose
+  at once (so the position is where it will start). Threads change none
+  of this: of two iterators whose first ``next()`` comes at the same moment
+  from two threads, one starts and the other is refused (a lock covers the
+  start), and ``next()`` on one iterator while another thread is in it is
+  refused too. :meth:`DataLoader.load_state_dict` ends an iteration in progress, whose
   next ``next()`` then raises a ``RuntimeError`` rather than ending quietly.
 * **Timeout.** ``timeout=`` (seconds, as in torch) bounds the wait for
   each batch in ``next()``; when it passes, the iteration ends, its
@@ -147,7 +158,7 @@ from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
 from zephon_torch.runners.process import SigtermGuard
 from zephon_torch.runners.resume import check_resumable, narrow_state
 from zephon_torch.topology import owned_lanes, resolve_topology, warn_idle_workers
-from zephon_torch.torch._loader_dist import StepVote
+from zephon_torch.torch._loader_dist import BATCH, END, FAILED, StepVote, stopped_state
 from zephon_torch.torch._loader_dist import gather as gather_states
 from zephon_torch.torch._loader_engine import (
     EngineProcess,
@@ -230,7 +241,8 @@ class DataLoader:
             process (on the prefetch thread) instead of an engine process;
             for debugging. The other runners always run there.
         on_uneven: ``"stop"``: under an initialized ``torch.distributed``
-            group every rank stops when the first runs out; ``"continue"``:
+            group every rank stops when the first runs out, and the rest of
+            that epoch is dropped on every rank; ``"continue"``:
             each rank runs to its own end. No effect without distributed.
         rank, world_size: The topology (default: ``torch.distributed`` when
             initialized, else ``RANK``/``WORLD_SIZE``, else 0 and 1).
@@ -341,6 +353,9 @@ class DataLoader:
         self._loaded: dict[str, Any] | None = None  # waits for the next iteration
         # The current iteration's iterator (held weakly: a dropped iterator ends its run).
         self._active: weakref.ref[_LoaderIterator] | None = None
+        # Held while an iteration is claimed or started, so that of two threads starting
+        # at the same moment one starts and the other is refused (see the module doc).
+        self._starting = threading.Lock()
 
     @property
     def timeout(self) -> float:
@@ -452,8 +467,9 @@ class DataLoader:
         # nor use up a loaded state. While another iteration is in progress, the new
         # iterator changes nothing here; its first next() decides (see _begin).
         iterator = _LoaderIterator(self)
-        if self._in_progress() is None:
-            self._claim(iterator)
+        with self._starting:
+            if self._in_progress() is None:
+                self._claim(iterator)
         return iterator
 
     def _in_progress(self) -> _LoaderIterator | None:
@@ -538,6 +554,38 @@ class DataLoader:
         vote = StepVote.create(rank, world_size) if self.on_uneven == "stop" else None
         placer = Placer(with_index(self.device), self.pin_memory)
         return _Run(producer, placer, self.prefetch_factor, vote, guard)
+
+    def _stopped(self) -> None:
+        """The ranks voted to stop this iteration: its epoch is over here too.
+
+        What this rank had not read of the epoch is dropped, and its
+        position says so (every lane ended), as the position of the rank
+        that ran out does: every rank's state is of this epoch, with nothing
+        left in it, so they merge, and loading them starts the next epoch,
+        as iterating again does (see ``_loader_dist.py``).
+        """
+        position = self._position
+        epoch = self._epochs.epoch
+        base = position.state if position.state is not None else self._fresh_state(epoch)
+        position.state = stopped_state(base)
+        if not position.count:
+            rank, world_size = resolve_topology(self.rank, self.world_size)
+            warnings.warn(
+                f"zephon DataLoader: epoch {epoch} ended at step 0 on every rank "
+                f"(on_uneven='stop'): rank {rank} of {world_size} has batches in it, but "
+                "another rank has none, so none of them is trained on in this epoch. Give "
+                "every rank data (more documents, smaller chunk_size, or num_lanes a multiple "
+                "of the world size), or use on_uneven='continue' for a loop without a "
+                "collective per step (evaluation)", RuntimeWarning, stacklevel=4)
+
+    def _peer_failed(self, step: int) -> str:
+        """The message of a rank whose peer's loader failed at ``step`` of this epoch."""
+        rank, world_size = resolve_topology(self.rank, self.world_size)
+        return (
+            f"zephon DataLoader: another rank's loader failed at step {step} of epoch "
+            f"{self._epochs.epoch} (its error is in that rank's log); rank {rank} of "
+            f"{world_size} stops too, rather than wait for it in the next collective"
+        )
 
     def _end_active(self, reason: str | None = None) -> None:
         """End the current iteration; ``reason``: why, for an iterator in progress to raise."""
@@ -633,13 +681,15 @@ class DataLoader:
         return owned_lanes(self.pipeline.source.num_lanes, rank, world_size,
                            self.iter_kwargs.get("lanes"))
 
-    def _fresh_state(self) -> dict[str, Any]:
-        """The state of an iterator that has not started (built inline, here)."""
+    def _fresh_state(self, epoch: int | None = None) -> dict[str, Any]:
+        """The state of an iterator of ``epoch`` (default: the next) that has not started
+        (built inline, here)."""
         rank, world_size = resolve_topology(self.rank, self.world_size)
         # A state needs no workers: no task_timeout (which only the process runner takes).
         kwargs = {k: v for k, v in self.iter_kwargs.items() if k != "task_timeout"}
         it = self.pipeline.iter(runner="inline", rank=rank, world_size=world_size,
-                                epoch=self._epochs.next_epoch, **kwargs)
+                                epoch=self._epochs.next_epoch if epoch is None else epoch,
+                                **kwargs)
         try:
             return it.state_dict()
         finally:
@@ -1038,6 +1088,7 @@ class _LoaderIterator:
         self._done = False
         self.ended_by: str | None = None  # what ended the iteration while it was in progress
         self._finalizer: weakref.finalize | None = None
+        self._busy = threading.Lock()  # held by the thread in next()
 
     @property
     def started(self) -> bool:
@@ -1065,37 +1116,54 @@ class _LoaderIterator:
         return self
 
     def __next__(self) -> Any:
-        if self.ended_by is not None:
+        if not self._busy.acquire(blocking=False):
             raise RuntimeError(
-                f"this iteration of the zephon DataLoader was ended by {self.ended_by}; the "
-                "loaded state applies to a new iteration: iterate the loader again (for batch "
-                "in loader) to continue from it"
+                "next() on an iterator of a zephon DataLoader while another thread is in "
+                "next() on it: an iterator hands out its batches in one order, to one thread "
+                "at a time. Iterate in one thread and pass the batches on (a queue.Queue)"
             )
-        if self._done:
-            raise StopIteration
-        run = self._run
-        if run is None:
-            run = self._loader._begin(self)  # refuses while another iteration is in progress
-            self._run = run
-            self._finalizer = weakref.finalize(self, run.close)
-        event = run.get(self._loader.timeout)
-        kind = event[0]
-        vote = run.vote
-        # Every rank votes at every step, errors and ends included, so that no rank
-        # is left waiting in a collective for one that has stopped.
-        if vote is not None and not vote.agree(kind == "batch") and kind == "batch":
-            raise self._finish(None)
-        if kind != "batch":
-            raise self._finish(event)
-        _, payload, state, ready = event
-        self._position.hand(state)
-        return run.placer.hand_over(payload, ready)
+        try:
+            if self.ended_by is not None:
+                raise RuntimeError(
+                    f"this iteration of the zephon DataLoader was ended by {self.ended_by}; the "
+                    "loaded state applies to a new iteration: iterate the loader again (for batch "
+                    "in loader) to continue from it"
+                )
+            if self._done:
+                raise StopIteration
+            run = self._run
+            if run is None:
+                with self._loader._starting:  # one thread starts; the others see it in progress
+                    run = self._loader._begin(self)  # refuses while another is in progress
+                    self._run = run
+                    self._finalizer = weakref.finalize(self, run.close)
+            event = run.get(self._loader.timeout)
+            kind = event[0]
+            vote = run.vote
+            # Every rank votes at every step, errors and ends included, so that no rank
+            # is left waiting in a collective for one that has stopped.
+            if vote is not None:
+                have = BATCH if kind == "batch" else END if kind == "end" else FAILED
+                agreed = vote.agree(have)
+                if agreed == FAILED and kind in ("batch", "end"):
+                    self.close()  # the job fails: no position to keep for it
+                    raise RuntimeError(self._loader._peer_failed(self._position.count))
+                if agreed == END and kind == "batch":
+                    raise self._finish(None)
+            if kind != "batch":
+                raise self._finish(event)
+            _, payload, state, ready = event
+            self._position.hand(state)
+            return run.placer.hand_over(payload, ready)
+        finally:
+            self._busy.release()
 
     def _finish(self, event: tuple | None) -> BaseException:
         """End the iteration; what to raise after ``event`` (None: the ranks voted to stop)."""
         self._done = True
         self.close()
         if event is None:
+            self._loader._stopped()
             return StopIteration()
         if event[0] == "end":
             self._position.state = event[1]

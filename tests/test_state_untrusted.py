@@ -324,3 +324,23 @@ def test_a_rank_state_on_another_world_size_says_merge_and_gather_at_save_time()
                                          r"\[1, 3\]\).*merge_states\(\).*only one rank wrote "
                                          r"the checkpoint.*state_dict\(gather=True\)"):
         pipe.iter(runner="inline").load_state_dict(rank_state)
+
+
+def test_another_ranks_state_of_an_ended_epoch_is_refused_not_taken_as_finished():
+    # Rank 0 (lanes 0, 2) runs its epoch out and saves its own state: every lane of it
+    # ended. Rank 1 (lanes 1, 3) loading it used to take the epoch as over and skip its
+    # own unread lanes, going silently on with epoch 1.
+    pipe = zt.Pipeline.from_items([f"d{i}" for i in range(40)], num_lanes=LANES,
+                                  chunk_size=2).batch(2)
+    first = zt.DataLoader(pipe, to_training=False, rank=0, world_size=2)
+    assert sum(1 for _ in first) == 10
+    state = first.state_dict()
+    other = zt.DataLoader(pipe, to_training=False, rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"no entry for lane\(s\) \[1, 3\] .*gather=True"):
+        other.load_state_dict(state)
+    assert other.epoch == 0
+    # Its own rank's ended state still loads: the next iteration is epoch 1.
+    again = zt.DataLoader(pipe, to_training=False, rank=0, world_size=2)
+    again.load_state_dict(state)
+    assert again.epoch == 1
+    assert sum(1 for _ in again) == 10

@@ -14,8 +14,6 @@ stuck in a collective fails the test instead of hanging it.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -26,6 +24,9 @@ import pytest
 import torch
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _torchrun import torchrun  # noqa: E402
+
 FIRST_STEPS = 4  # the first job's steps (even: each rank's two lanes delivered equally)
 TOTAL_STEPS = 8
 LANES = 4
@@ -33,30 +34,9 @@ LANES = 4
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _torchrun(nproc: int, *args: str, script: str = "torchrun_ddp.py",
               timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-               str(RECIPES / script), *args]
-    # The script's folder, not the current one, heads the ranks' sys.path: put this
-    # checkout first, so that they (and their engine processes) run the code under test
-    # rather than whichever copy of zephon_torch is installed.
-    path = os.pathsep.join(p for p in (str(RECIPES.parent), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                env=env)
-    except subprocess.TimeoutExpired as exc:  # a hang: show what the ranks printed
-        pytest.fail(f"torchrun {' '.join(args)} did not finish in {timeout} s:\n"
-                    f"{exc.stdout}\n{exc.stderr}")
-    assert result.returncode == 0, f"torchrun {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
-    return result
+    return torchrun(RECIPES / script, nproc, *args, timeout=timeout)
 
 
 def _reference(out: Path, batches: int) -> tuple[dict[int, list[Any]], dict[tuple, int]]:

@@ -11,9 +11,6 @@ job; the references are single-process runs of the same pipelines here.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -25,33 +22,17 @@ from zephon_torch.epochs import state_finished
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _torchrun import torchrun  # noqa: E402
 from uneven_ranks_job import _ids, pipeline  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _job(nproc: int, out: Path, *args: str, on_uneven: str = "stop",
          timeout: float = 240) -> list[dict[str, Any]]:
     """Run the job on ``nproc`` ranks; every rank's record."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-               str(HERE / "uneven_ranks_job.py"), *args, "--out", str(out),
-               "--on-uneven", on_uneven]
-    root = str(HERE.parent)  # the checkout under test heads the ranks' sys.path
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                env=env)
-    except subprocess.TimeoutExpired as exc:  # a rank stuck in a collective
-        pytest.fail(f"torchrun {' '.join(args)} did not finish:\n{exc.stdout}\n{exc.stderr}")
-    assert result.returncode == 0, f"torchrun {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
+    torchrun(HERE / "uneven_ranks_job.py", nproc, *args, "--out", str(out),
+             "--on-uneven", on_uneven, timeout=timeout)
     return [json.loads((out / f"{args[0]}-{on_uneven}-{nproc}-{rank}.json").read_text())
             for rank in range(nproc)]
 

@@ -72,6 +72,8 @@ __all__ = [
     "ReplayFilter",
     "accept_changed_data",
     "check_state",
+    "describe_difference",
+    "differing_parts",
     "fingerprint_parts",
     "key_from_json",
     "merge_states",
@@ -465,23 +467,15 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
     if not all(isinstance(key, str) for key in theirs):
         raise ValueError("corrupted state: the fingerprint's keys must be strings; nothing was "
                          "loaded")
-    differ = sorted(k for k in set(mine) | set(theirs)
-                    if k != "data" and not _is_detail(k) and mine.get(k) != theirs.get(k))
-    # A shuffle saved before its buffer was split over the lanes resumes only
-    # where this pipeline's shuffle gives each lane the buffer it had then.
-    differ = [k for k in differ if not _same_as_unsplit_shuffle(k, fingerprint, theirs)]
+    differ = differing_parts(mine, theirs, fingerprint)
     if differ:
         meaning = _shuffle_meaning_change(differ, mine, theirs, state["num_lanes"])
         if meaning:
             raise ValueError(meaning)
-        named = [_describe_ops_part(k, mine, theirs) if k.startswith("ops") else k
-                 for k in differ]
-        detail = (_datasets_detail(mine.get("data"), theirs.get("data"), fingerprint)
-                  if "datasets" in differ else "")
         raise ValueError(
-            f"the state was saved by a different pipeline configuration: {', '.join(named)} "
-            f"differ(s){detail}. Resume with the same sources, operators, num_lanes, "
-            "chunk_size, seed and flush_every_k_chunks"
+            "the state was saved by a different pipeline configuration: "
+            f"{describe_difference(differ, mine, theirs, fingerprint)}. Resume with the same "
+            "sources, operators, num_lanes, chunk_size, seed and flush_every_k_chunks"
         )
     if "data" in theirs and state.get(ACCEPT_CHANGED_DATA) is not True:
         changed = _data_changes(mine.get("data"), theirs["data"], fingerprint)
@@ -490,6 +484,39 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
     # Every field, as untrusted input: keys, types, ranges (the schedule is checked at load).
     check_fields(state)
     return dict(state)
+
+
+#: Where the two sides of a difference come from, by default: a state and this pipeline.
+_STATE_SIDES = ("in the state", "now")
+
+
+def differing_parts(mine: Mapping[str, Any], theirs: Mapping[str, Any],
+                    fingerprint: Mapping[str, Any] | None = None) -> list[str]:
+    """The parts (:func:`fingerprint_parts`) in which two configurations differ, sorted.
+
+    Operator details and the ``data`` part (content tables) are left out:
+    the digests decide. Given this pipeline's ``fingerprint``, a shuffle
+    saved before its buffer was split over the lanes counts as the same when
+    this pipeline's shuffle gives each lane the buffer it had then.
+    """
+    differ = sorted(k for k in set(mine) | set(theirs)
+                    if k != "data" and not _is_detail(k) and mine.get(k) != theirs.get(k))
+    if fingerprint is None:
+        return differ
+    return [k for k in differ if not _same_as_unsplit_shuffle(k, fingerprint, theirs)]
+
+
+def describe_difference(differ: Sequence[str], mine: Mapping[str, Any],
+                        theirs: Mapping[str, Any], fingerprint: Mapping[str, Any], *,
+                        sides: tuple[str, str] = _STATE_SIDES) -> str:
+    """``differ`` (:func:`differing_parts`) in words: which operator and parameter
+    (``theirs -> mine``), which datasets and shards (named from ``fingerprint``,
+    ``mine``'s); ``sides`` names where ``theirs`` and ``mine`` come from."""
+    named = [_describe_ops_part(k, mine, theirs) if k.startswith("ops") else k
+             for k in differ]
+    detail = (_datasets_detail(mine.get("data"), theirs.get("data"), fingerprint, sides)
+              if "datasets" in differ else "")
+    return f"{', '.join(named)} differ(s){detail}"
 
 
 def _check_mode(state: Mapping[str, Any], where: str = "") -> None:
@@ -666,7 +693,8 @@ def _dataset_tables(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]
     return out
 
 
-def _datasets_detail(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]) -> str:
+def _datasets_detail(mine: Any, theirs: Any, fingerprint: Mapping[str, Any],
+                     sides: tuple[str, str] = _STATE_SIDES) -> str:
     """What differs in the datasets' structure, naming datasets and shards ("" if unknown)."""
     tables = _dataset_tables(mine, theirs, fingerprint)
     if tables is None:
@@ -680,14 +708,18 @@ def _datasets_detail(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]) -> 
             what.append("its options differ (kind, name, component_id, passes, columns or "
                         "field)")
         if now is not None and then is not None:
-            what.extend(_shard_differences(names, now, then))
+            what.extend(_shard_differences(names, now, then, sides))
         if what:
             notes.append(f"{label}: {'; '.join(what)}")
     return f" ({'; '.join(notes)})" if notes else ""
 
 
-def _shard_differences(names: list[str], now: list[Any], then: list[Any]) -> list[str]:
-    """How two content tables differ in shard names and sample counts."""
+def _shard_differences(names: list[str], now: list[Any], then: list[Any],
+                       sides: tuple[str, str] = _STATE_SIDES) -> list[str]:
+    """How two content tables differ in shard names and sample counts (``sides``:
+    where ``then`` and ``now`` come from, as :data:`_STATE_SIDES`)."""
+    old, new_side = sides
+    ours = sides == _STATE_SIDES  # a state against this pipeline: the words of old
     if [(e.name_tag, e.samples) for e in now] == [(e.name_tag, e.samples) for e in then]:
         return []
     named = [names[k] if k < len(names) else f"shard {k}" for k in range(len(now))]
@@ -695,14 +727,17 @@ def _shard_differences(names: list[str], now: list[Any], then: list[Any]) -> lis
     current = {e.name_tag for e in now}
     what = []
     if len(now) != len(then):
-        what.append(f"{len(then)} shard(s) in the state, {len(now)} now")
+        what.append(f"{len(then)} shard(s) {old}, {len(now)} {new_side}")
     new = [repr(named[k]) for k, e in enumerate(now) if e.name_tag not in saved]
     if new:
-        what.append(f"new: {', '.join(new[:3])}{' ...' if len(new) > 3 else ''}")
+        what.append(f"{'new' if ours else 'only ' + new_side}: {', '.join(new[:3])}"
+                    f"{' ...' if len(new) > 3 else ''}")
     gone = sum(1 for e in then if e.name_tag not in current)
     if gone:
-        what.append(f"{gone} shard(s) of the state are gone (renamed or removed)")
-    counts = [f"{named[k]!r} has {e.samples} samples, {saved[e.name_tag].samples} in the state"
+        what.append(f"{gone} shard(s) of the state are gone (renamed or removed)" if ours
+                    else f"{gone} shard(s) only {old}")
+    counts = [f"{named[k]!r} has {e.samples} samples{'' if ours else ' ' + new_side}, "
+              f"{saved[e.name_tag].samples} {old}"
               for k, e in enumerate(now)
               if e.name_tag in saved and saved[e.name_tag].samples != e.samples]
     what.extend(counts[:3])
@@ -803,6 +838,21 @@ def accept_changed_data(state: Any) -> Any:
     return result
 
 
+def _fingerprints_apart(first: Any, other: Any, i: int) -> str:
+    """How state ``i``'s fingerprint parts differ from state 0's, in words."""
+    if not (isinstance(first, Mapping) and isinstance(other, Mapping)):
+        return "a fingerprint is missing or malformed"
+    differ = differing_parts(other, first)
+    if not differ:
+        return "the content of their files differs (data)"
+    try:
+        return (describe_difference(differ, other, first, {},
+                                    sides=("in state 0", f"in state {i}"))
+                + f" (values: state 0's -> state {i}'s)")
+    except ValueError:  # a malformed data part: the names alone
+        return f"{', '.join(differ)} differ(s)"
+
+
 def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Combine the states of several ranks into one global state.
 
@@ -816,9 +866,17 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     lanes: dict[str, Any] = {}
     for i, state in enumerate(states):
         _check_mode(state, f"merge_states: state {i}: ")
-        for key in ("version", "fingerprint", "num_lanes"):
+        for key in ("version", "num_lanes"):
             if state.get(key) != first.get(key):
                 raise ValueError(f"merge_states: state {i} has a different {key!r}")
+        if state.get("fingerprint") != first.get("fingerprint"):
+            apart = _fingerprints_apart(first.get("fingerprint"), state.get("fingerprint"), i)
+            raise ValueError(
+                f"merge_states: state {i} was saved by another pipeline configuration than "
+                f"state 0: {apart}; every rank must run the "
+                "same pipeline over the same files (the same sources, file list and contents, "
+                "operators, num_lanes, chunk_size and seed)"
+            )
         if state.get("epoch", 0) != first.get("epoch", 0):
             raise ValueError(
                 f"merge_states: state {i} was saved in epoch {state.get('epoch', 0)!r}, state 0 "

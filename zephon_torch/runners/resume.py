@@ -117,6 +117,16 @@ def checked_state(state: Any, *, fingerprint: Mapping[str, Any], stage_names: Se
                         deterministic=deterministic)
     if state["num_lanes"] != num_lanes:
         raise ValueError(f"the state has {state['num_lanes']} lanes, this pipeline {num_lanes}")
+    check_lanes_present(state, lanes)
+    return state
+
+
+def check_lanes_present(state: Mapping[str, Any], lanes: Sequence[int]) -> None:
+    """Refuse a state without an entry for each of ``lanes`` (the lanes that resume it).
+
+    Raises:
+        ValueError: Some lane is missing: the state is another rank's.
+    """
     missing = [lane for lane in lanes if str(lane) not in state["lanes"]]
     if missing:
         raise ValueError(
@@ -129,7 +139,6 @@ def checked_state(state: Any, *, fingerprint: Mapping[str, Any], stage_names: Se
             "every rank's state into one, the default when Lightning saves), or merge_states() "
             "of all the ranks' states before writing"
         )
-    return state
 
 
 def check_resumable(state: Mapping[str, Any], pipeline: Any, *, epoch: int,

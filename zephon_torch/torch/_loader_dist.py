@@ -28,15 +28,17 @@ group is created (collectively, on every rank) at first use and cached.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+import hashlib
+import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from zephon_torch.checkpoint import state_checksum
+from zephon_torch.checkpoint import describe_difference, differing_parts, state_checksum
 
-__all__ = ["BATCH", "END", "FAILED", "StepVote", "gather", "in_group", "stopped_state",
-           "vote_group"]
+__all__ = ["BATCH", "END", "FAILED", "StepVote", "check_peers", "fingerprint_digest", "gather",
+           "in_group", "stopped_state", "vote_group"]
 
 #: What a rank votes at a step: it has a batch, its data has ended, it failed.
 BATCH, END, FAILED = 2, 1, 0
@@ -89,6 +91,67 @@ def gather(value: Any, rank: int, world_size: int) -> list[Any] | None:
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value, group=vote_group())
     return values
+
+
+def fingerprint_digest(fingerprint: Mapping[str, Any]) -> str:
+    """A digest of a whole pipeline fingerprint: sources, file list and contents, operators."""
+    text = json.dumps(fingerprint, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_peers(digest: str, epoch: int, rank: int, world_size: int,
+                parts: Callable[[], dict[str, Any]],
+                fingerprint: Mapping[str, Any]) -> None:
+    """Check, at the start of an iteration, that every rank runs this pipeline and epoch.
+
+    A collective (one gather of a digest and an epoch; a second one, of the
+    fingerprints' parts, only when they differ). Ranks whose pipelines
+    differ (another file list, files of other content, another operator)
+    split the data by lanes of different schedules: documents would be
+    trained on twice and others never, without a word. Ranks in different
+    epochs read different orders. Either raises on every rank, naming the
+    ranks and what differs. ``parts`` gives this rank's
+    :func:`~zephon_torch.checkpoint.fingerprint_parts` (called on a mismatch).
+
+    Raises:
+        RuntimeError: Some rank's pipeline or epoch differs from rank 0's.
+    """
+    seen = gather((digest, int(epoch)), rank, world_size)
+    if seen is None:
+        return
+    digests = [d for d, _ in seen]
+    if any(d != digests[0] for d in digests):
+        # The fingerprints too, so that every rank names the same shards.
+        every = gather((parts(), fingerprint), rank, world_size) or []
+        first = every[0][0]
+        others = [r for r, d in enumerate(digests) if d != digests[0]]
+        notes = []
+        for r in others[:3]:
+            mine, theirs = every[r]
+            differ = differing_parts(mine, first)
+            what = (describe_difference(differ, mine, first, theirs,
+                                        sides=("on rank 0", f"on rank {r}")) if differ
+                    else "the content of its files differs (data)")
+            notes.append(f"rank {r}: {what} (values: rank 0's -> rank {r}'s)")
+        more = f"; and {len(others) - 3} more rank(s)" if len(others) > 3 else ""
+        raise RuntimeError(
+            f"zephon DataLoader: the ranks do not run the same pipeline: {'; '.join(notes)}"
+            f"{more}. Each rank reads its own lanes of one schedule, so ranks over other files "
+            "or operators would train on some documents twice and never on others. Give every "
+            "rank the same pipeline: the same sources (file list, in the same order, and the "
+            "same file contents: a shared file system, not a copy per node that may differ), "
+            "operators, num_lanes, chunk_size and seed"
+        )
+    epochs = [e for _, e in seen]
+    if any(e != epochs[0] for e in epochs):
+        shown = ", ".join(f"rank {r}: {e}" for r, e in enumerate(epochs[:8]))
+        raise RuntimeError(
+            f"zephon DataLoader: the ranks would start different epochs ({shown}"
+            f"{', ...' if len(epochs) > 8 else ''}), each reading another order of the data. "
+            "Load the same checkpoint on every rank (a gathered state: state_dict(gather=True), "
+            "or merge_states() of every rank's), and call set_epoch() with the same value on "
+            "every rank"
+        )
 
 
 def stopped_state(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -150,15 +150,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zephon_torch.checkpoint import check_state, merge_states, refuse_nondeterministic
+from zephon_torch.checkpoint import (
+    check_state,
+    fingerprint_parts,
+    merge_states,
+    refuse_nondeterministic,
+)
 from zephon_torch.epochs import EpochCounter, check_epoch, state_epoch
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.assembly import remote_stages
 from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
 from zephon_torch.runners.process import SigtermGuard
-from zephon_torch.runners.resume import check_resumable, narrow_state
+from zephon_torch.runners.resume import check_lanes_present, check_resumable, narrow_state
 from zephon_torch.topology import owned_lanes, resolve_topology, warn_idle_workers
-from zephon_torch.torch._loader_dist import BATCH, END, FAILED, StepVote, stopped_state
+from zephon_torch.torch._loader_dist import (
+    BATCH,
+    END,
+    FAILED,
+    StepVote,
+    check_peers,
+    fingerprint_digest,
+    stopped_state,
+)
 from zephon_torch.torch._loader_dist import gather as gather_states
 from zephon_torch.torch._loader_engine import (
     EngineProcess,
@@ -344,6 +357,7 @@ class DataLoader:
         self.timeout = timeout
         self.iter_kwargs = dict(iter_kwargs)
         self._fingerprint = self.pipeline.fingerprint()
+        self._digest = fingerprint_digest(self._fingerprint)  # compared with the peers'
         self._position = Position()
         self._epochs = EpochCounter(check_epoch(epoch))
         self._batch_sampler = _BatchSampler(self._epochs)
@@ -508,6 +522,10 @@ class DataLoader:
     def _start(self) -> _Run:
         """Start the producer and prefetch thread of a new iteration (at its first next())."""
         rank, world_size = resolve_topology(self.rank, self.world_size)
+        if self.on_uneven == "stop":  # the ranks run in step: check they run one pipeline
+            check_peers(self._digest, self._epochs.next_epoch, rank, world_size,
+                        lambda: fingerprint_parts(self._fingerprint, self.pipeline.stage_names()),
+                        self._fingerprint)
         # The epoch of this iteration; a loaded state must be of it (set_epoch may have
         # chosen another since).
         epoch = self._epochs.begin(self._loaded)
@@ -711,6 +729,9 @@ class DataLoader:
         if checked["num_lanes"] != self.pipeline.source.num_lanes:
             raise ValueError(f"the state has {checked['num_lanes']} lanes, this pipeline "
                              f"{self.pipeline.source.num_lanes}")
+        # Another rank's state is refused even when its epoch had ended: taking it as
+        # finished would skip what is left of this rank's lanes in that epoch.
+        check_lanes_present(checked, self._own_lanes())
         check_resumable(checked, self.pipeline, epoch=state_epoch(checked),
                         lanes=self._own_lanes())
         self._end_active("load_state_dict()")

@@ -179,12 +179,15 @@ def test_a_state_from_another_thread_inside_interleaves_is_an_exact_position() -
     errors: list[BaseException] = []
     stop = threading.Event()
 
+    taken = threading.Event()
+
     def hammer() -> None:
         while not stop.is_set():
             try:
                 states.append(it.state_dict())
             except BaseException as exc:  # the test reports every failure
                 errors.append(exc)
+            taken.set()
 
     it = pipe.iter(runner="inline")
     thread = threading.Thread(target=hammer)
@@ -192,7 +195,12 @@ def test_a_state_from_another_thread_inside_interleaves_is_an_exact_position() -
     sys.setswitchinterval(1e-5)
     thread.start()
     try:
-        out = list(it)
+        out = []
+        for item in it:
+            out.append(item)
+            if len(out) % 150 == 0:  # a state at least this often, however busy the machine
+                taken.clear()
+                taken.wait(timeout=10)
     finally:
         stop.set()
         thread.join()

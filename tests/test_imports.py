@@ -84,12 +84,47 @@ def test_lower_layers_never_import_the_layers_above_them() -> None:
             "*.py"))] for layer in ("zephon_torch.torch", "zephon_torch.lightning",
                                     "zephon_torch._torch_hook")
           for problem in _offenders([path], layer, at_import_only=True)],
-        # Lightning-specific code lives in lightning.py, which the torch loader consults
-        # only when Lightning is imported.
-        *_offenders(sorted((_PACKAGE / "torch").glob("*.py")), "zephon_torch.lightning",
-                    at_import_only=True),
+        # Lightning-specific code lives in lightning.py and its adapter, _lightning_compat.py:
+        # the torch layer never imports lightning.py, not even inside a function (the
+        # dependency points from lightning.py to the loader only), and the adapter imports
+        # neither of them, nor Lightning itself.
+        *_offenders(sorted((_PACKAGE / "torch").glob("*.py")), "zephon_torch.lightning"),
+        *[problem for layer in ("zephon_torch.lightning", "zephon_torch.torch", "lightning",
+                                "pytorch_lightning", "torch")
+          for problem in _offenders([_PACKAGE / "_lightning_compat.py"], layer)],
     ]
     assert problems == []
+
+
+def _frame_reads(path: Path) -> list[str]:
+    """Where ``path`` reads the call stack: ``sys._getframe``, ``inspect.currentframe``,
+    ``inspect.stack`` / ``inspect.getouterframes``, or a frame's ``f_back``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        name = None
+        if isinstance(node, ast.Attribute) and node.attr in (
+                "_getframe", "currentframe", "stack", "getouterframes", "f_back"):
+            base = node.value.id if isinstance(node.value, ast.Name) else ""
+            if node.attr in ("_getframe", "f_back") or base == "inspect":
+                name = f"{base}.{node.attr}" if base else node.attr
+        elif isinstance(node, ast.ImportFrom) and node.module in ("sys", "inspect"):
+            name = next((f"{node.module}.{alias.name}" for alias in node.names if alias.name in
+                         ("_getframe", "currentframe", "stack", "getouterframes")), None)
+        if name is not None:
+            found.append(f"{path.relative_to(_PACKAGE.parent)}:{node.lineno} {name}")
+    return found
+
+
+def test_no_module_walks_the_call_stack_lightning_is_followed_through_its_fit_loop() -> None:
+    # How Lightning's fit loop stands with a loader is read from the loop itself
+    # (_lightning_compat.py), never found on the call stack. The one exception is the
+    # main-script guard, whose question is where the call comes from: whether the
+    # main script's top-level code starts worker processes.
+    allowed = {_PACKAGE / "_main_guard.py"}
+    found = [read for path in sorted(_PACKAGE.rglob("*.py")) if path not in allowed
+             for read in _frame_reads(path)]
+    assert found == []
+    assert _frame_reads(_PACKAGE / "_main_guard.py")  # the check sees what it looks for
 
 
 def test_the_iter_keyword_list_is_pipeline_iters_signature() -> None:

@@ -69,20 +69,19 @@ restarts on any world size up to the pipeline's ``num_lanes``.
 
 **A bare loader under Lightning.** A ``zephon_torch.DataLoader`` passed to
 ``Trainer.fit`` directly is saved by Lightning itself; :func:`fit_loop_view`
-(which the loader consults only when Lightning is imported) reads Lightning's
-fit loop so that the loader answers with the position of the batch the
-training step received. Everything the loader and the stream keep of
+(of ``zephon_torch._lightning_compat``, the one module that knows Lightning's
+private fit-loop structure, re-exported here with :data:`TESTED_LIGHTNING`
+and :class:`FitView`) tells the loader how Lightning's fit loop stands with
+it, so that it answers with the position of the batch the training step
+received. Everything the loader and the stream keep of
 positions is the loader's :class:`~zephon_torch.torch.loader.Position`.
 """
 
 from __future__ import annotations
 
-import re
-import sys
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from zephon_torch._extras import missing
 
@@ -95,6 +94,7 @@ except ModuleNotFoundError as exc:  # an extra: say which one
         raise
     raise missing("lightning", "zephon_torch.lightning") from exc
 
+from zephon_torch._lightning_compat import TESTED_LIGHTNING, FitView, fit_loop_view
 from zephon_torch.checkpoint import merge_states
 from zephon_torch.epochs import state_epoch
 from zephon_torch.logs import logger as _logger
@@ -106,13 +106,6 @@ from zephon_torch.torch.dataset import pipeline_of
 from zephon_torch.torch.loader import DataLoader
 
 __all__ = ["TESTED_LIGHTNING", "FitView", "ZephonDataModule", "ZephonStream", "fit_loop_view"]
-
-_FIT_LOOP_MODULES = ("lightning.pytorch.loops.fit_loop", "pytorch_lightning.loops.fit_loop")
-#: The Lightning releases whose fit loop :func:`fit_loop_view` was tested with (>= first,
-#: < second); the "lightning" extra of pyproject.toml pins the same range.
-TESTED_LIGHTNING = ((2, 2), (2, 7))
-# Warnings about Lightning given once per loader.
-_WARNED: weakref.WeakKeyDictionary[DataLoader, set[str]] = weakref.WeakKeyDictionary()
 
 STATE_FORMAT = "zephon_torch.ZephonDataModule"
 STATE_VERSION = 1
@@ -588,196 +581,3 @@ def _gather(loader: DataLoader, local: dict[str, Any],
     if not parts:  # one process, or an explicit sub-topology whose peers are not the group
         return local, ended
     return merge_states([p["state"] for p in parts]), all(p["ended"] for p in parts)
-
-
-# --------------------------------------------------------------------------- a bare loader
-
-
-class FitView(NamedTuple):
-    """What Lightning's fit loop holds of a train loader, when ``state_dict()`` is called."""
-
-    held: int  # batches its fetcher took from the loader but the step has not received
-    epoch_over: bool  # the step has received the epoch's last batch
-    saving: bool  # the call comes from the loop's checkpoint dump (on every rank)
-
-
-def fit_loop_view(loader: DataLoader) -> FitView | None:
-    """How Lightning's fit loop stands with ``loader``, when it iterates it (else ``None``).
-
-    Lightning's ``_FitLoop`` saves its train loaders' ``state_dict()`` in a
-    checkpoint (``on_save_checkpoint``), while its ``_PrefetchDataFetcher``
-    already holds the batch after the one the training step received, in
-    ``fetcher.batches``; a ``training_step(dataloader_iter)`` gets a
-    ``_DataLoaderIterDataFetcher``, which holds none. ``fetcher.done`` says
-    that the step has received the epoch's last batch: Lightning's next epoch
-    starts a new iteration. The loop is found on the call stack, by module
-    and class name, and only when ``loader`` is one of its train loaders
-    itself (not, say, the loader inside a ``ZephonDataModule`` stream, which
-    counts for itself). ``DataLoader.state_dict()`` calls this only when
-    Lightning is imported, so the loader itself never imports it.
-
-    These are private names of Lightning (tested with the releases in
-    :data:`TESTED_LIGHTNING`). Where the fit loop is on the stack but one of
-    them is missing or of another type, or Lightning is another release, the
-    loader warns once (``RuntimeWarning``): the saved position may be off by
-    the batches Lightning prefetched, and ``ZephonDataModule`` does not
-    depend on them.
-
-    ``saving`` is true when the innermost fit-loop frame is its
-    ``on_save_checkpoint``: ``Trainer.save_checkpoint`` builds the whole
-    checkpoint (``dump_checkpoint``) on every rank, and only then lets rank
-    0 write it, so a collective is safe there. A call from elsewhere in the
-    fit (a callback, the training step) may come from one rank only.
-
-    Args:
-        loader: The loader whose ``state_dict()`` is being called.
-
-    Returns:
-        ``None`` when no fit loop on the stack iterates ``loader``.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__")
-        if module in _FIT_LOOP_MODULES:
-            owner = frame.f_locals.get("self")
-            if owner is not None and _is_fit_loop(owner):
-                saving = frame.f_code.co_name == "on_save_checkpoint"
-                return _read_fit_loop(loader, owner, module.split(".")[0], saving)
-        frame = frame.f_back
-    _check_unrecognised_fit(loader)
-    return None
-
-
-def _check_unrecognised_fit(loader: DataLoader) -> None:
-    """Warn (once) when a ``Trainer.fit`` of ``loader`` runs but no fit loop was recognised.
-
-    The fallback for a Lightning whose fit loop has another class name or
-    module: a frame of Lightning's on the stack belongs to (or holds) a
-    ``Trainer`` that is fitting (``trainer.state.fn``) with ``loader`` among
-    its ``train_dataloader`` (public attributes only), so the position this
-    loader would save cannot account for the batches the fetcher holds.
-    """
-    frame = sys._getframe(2)
-    while frame is not None:
-        package = str(frame.f_globals.get("__name__", "")).split(".")[0]
-        if package in ("lightning", "pytorch_lightning"):
-            owner = frame.f_locals.get("self")
-            for trainer in (owner, getattr(owner, "trainer", None)):
-                if _fits_with(trainer, loader, package):
-                    version = str(getattr(sys.modules.get(package), "__version__",
-                                          "of unknown version"))
-                    _warn_lightning(loader, "structure", (
-                        f"zephon DataLoader under {package} {version}: Trainer.fit iterates "
-                        "this loader, but its fit loop is not one this loader can read (no "
-                        "class named _FitLoop in " + " or ".join(_FIT_LOOP_MODULES) + " on the "
-                        "call stack), so the position saved in checkpoints may be off by the "
-                        "batch(es) Lightning prefetched (a resume would skip them). Use "
-                        "zephon_torch.lightning.ZephonDataModule, which counts batches "
-                        "through a public hook, instead of passing the loader to Trainer.fit "
-                        "directly"), stacklevel=6)
-                    return
-        frame = frame.f_back
-
-
-def _fits_with(trainer: Any, loader: DataLoader, package: str) -> bool:
-    """Whether ``trainer`` is a Lightning ``Trainer`` fitting with ``loader`` as a train loader."""
-    module = sys.modules.get("lightning.pytorch" if package == "lightning" else package)
-    trainer_class = getattr(module, "Trainer", None)
-    if trainer_class is None or not isinstance(trainer, trainer_class):
-        return False
-    try:
-        fitting = str(getattr(trainer.state.fn, "value", trainer.state.fn)) == "fit"
-        loaders = trainer.train_dataloader
-    except Exception:  # a trainer of another shape: nothing to say about it
-        return False
-    if isinstance(loaders, Mapping):
-        loaders = list(loaders.values())
-    elif not isinstance(loaders, (list, tuple)):
-        loaders = [loaders]
-    return fitting and any(dl is loader for dl in loaders)
-
-
-def _read_fit_loop(loader: DataLoader, loop: Any, package: str, saving: bool) -> FitView | None:
-    """:func:`fit_loop_view` of the fit loop ``loop`` (of the Lightning ``package``)."""
-    version = str(getattr(sys.modules.get(package), "__version__", "of unknown version"))
-
-    def unexpected(what: str) -> None:
-        _warn_lightning(loader, "structure", (
-            f"zephon DataLoader under Lightning {version}: its fit loop does not have the "
-            f"structure this loader reads to count the batches Lightning's fetcher took ahead "
-            f"of the training step ({what}), so the position saved in checkpoints may be off "
-            "by the batch(es) Lightning prefetched (a resume would skip them). Use "
-            "zephon_torch.lightning.ZephonDataModule, which counts batches through a public "
-            "hook, instead of passing the loader to Trainer.fit directly"
-        ))
-
-    if not hasattr(loop, "_combined_loader"):
-        unexpected(f"{type(loop).__name__} has no '_combined_loader'")
-        return None
-    combined = loop._combined_loader
-    if combined is None:
-        return None  # no train loader set up yet: this loader is not one of them
-    flattened = getattr(combined, "flattened", None)
-    if not isinstance(flattened, (list, tuple)):
-        unexpected(f"its combined loader ({type(combined).__name__}) has no 'flattened' list")
-        return None
-    if not any(dl is loader for dl in flattened):
-        return None
-    _check_lightning_version(loader, package, version)
-    if not hasattr(loop, "_data_fetcher"):
-        unexpected(f"{type(loop).__name__} has no '_data_fetcher'")
-        return FitView(0, False, saving)
-    fetcher = loop._data_fetcher
-    if fetcher is None:
-        return FitView(0, False, saving)  # between fits: nothing is held
-    kinds = {cls.__name__ for cls in type(fetcher).__mro__}
-    done = getattr(fetcher, "done", None)
-    if not isinstance(done, bool):
-        unexpected(f"{type(fetcher).__name__}.done is {type(done).__name__}, not a bool")
-        done = False
-    batches = getattr(fetcher, "batches", None)
-    if "_DataLoaderIterDataFetcher" in kinds:
-        held = 0  # the step pulls its batches itself: none is held ahead of it
-    elif "_PrefetchDataFetcher" in kinds and isinstance(batches, list):
-        held = len(batches)
-    else:
-        if "_PrefetchDataFetcher" in kinds:
-            unexpected(f"{type(fetcher).__name__}.batches is {type(batches).__name__}, not a "
-                       "list")
-        else:
-            unexpected(f"an unknown data fetcher, {type(fetcher).__name__}")
-        held = len(batches) if isinstance(batches, list) else 0
-    return FitView(held, done, saving)
-
-
-def _check_lightning_version(loader: DataLoader, package: str, version: str) -> None:
-    """Warn (once per loader) when Lightning is not a release the fit-loop view was tested with."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    low, high = TESTED_LIGHTNING
-    if match is not None and low <= (int(match[1]), int(match[2])) < high:
-        return
-    tested = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
-    _warn_lightning(loader, "version", (
-        f"zephon DataLoader under {package} {version}: to save the position of the batch the "
-        f"training step received, this loader reads private parts of Lightning's fit loop, "
-        f"tested with lightning{tested}; with another release the position saved in "
-        "checkpoints may be off by the batch(es) Lightning prefetched. Use "
-        "zephon_torch.lightning.ZephonDataModule, which relies on a public hook only, or a "
-        f"tested Lightning (pip install 'lightning{tested}')"
-    ))
-
-
-def _warn_lightning(loader: DataLoader, key: str, message: str, stacklevel: int = 7) -> None:
-    given = _WARNED.setdefault(loader, set())
-    if key in given:
-        return
-    given.add(key)
-    # Named: the caller of DataLoader.state_dict(), seven frames up (state_dict, _fit_view,
-    # fit_loop_view, _read_fit_loop, the check, this function).
-    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
-
-
-def _is_fit_loop(obj: object) -> bool:
-    return any(cls.__name__ == "_FitLoop" and cls.__module__ in _FIT_LOOP_MODULES
-               for cls in type(obj).__mro__)
-

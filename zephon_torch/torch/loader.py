@@ -63,8 +63,9 @@ How one iteration is laid out (``num_workers=N >= 1``, the default runner ``"lan
   batches); once Lightning's epoch is over, it answers the start, where the
   next epoch's iteration begins. Under Lightning's DDP the checkpoint's
   state is gathered from every rank. How the fit loop is read lives in
-  ``zephon_torch/lightning.py`` (``fit_loop_view``), consulted only when
-  Lightning is imported.
+  ``zephon_torch/_lightning_compat.py`` (``fit_loop_view``), the one module
+  that knows Lightning's private fit-loop structure; it imports neither
+  Lightning nor this module, and acts only on a Lightning already imported.
 * **Uneven ranks.** Ranks may own different numbers of lanes, and lanes end
   at different times. With ``on_uneven="stop"`` and an initialized
   ``torch.distributed`` group, the main thread takes one vote per step
@@ -139,17 +140,17 @@ import math
 import multiprocessing
 import multiprocessing.util
 import queue
-import sys
 import threading
 import time
 import warnings
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from zephon_torch._lightning_compat import FitView, fit_loop_view, follow_fit_loops
 from zephon_torch.checkpoint import (
     check_state,
     fingerprint_parts,
@@ -182,9 +183,6 @@ from zephon_torch.torch._loader_place import Placer, with_index
 from zephon_torch.torch.dataset import pipeline_of
 from zephon_torch.types import SampleBatch
 
-if TYPE_CHECKING:
-    from zephon_torch.lightning import FitView
-
 __all__ = ["DataLoader", "Position"]
 
 # The loader's own arguments cover these; the rest of Pipeline.iter's pass through.
@@ -215,8 +213,6 @@ _POLL = 0.1  # seconds between liveness checks while a thread waits on a queue
 # States kept of the last batches handed over, to answer for a consumer that holds some
 # of them unused (Lightning's fetcher holds one).
 _REMEMBERED = 8
-# Modules whose presence means a Lightning fit loop may be on the stack.
-_LIGHTNING = ("lightning.pytorch", "pytorch_lightning")
 
 
 # --------------------------------------------------------------------------- the loader
@@ -363,7 +359,6 @@ class DataLoader:
         self._batch_sampler = _BatchSampler(self._epochs)
         self._producer: Any = None  # the last iteration's producer, for stats()
         self._warned_idle = False  # more lane workers than lanes: said once
-        self._lightning_warned = False  # zephon_torch.lightning not importable: said once
         self._loaded: dict[str, Any] | None = None  # waits for the next iteration
         # The current iteration's iterator (held weakly: a dropped iterator ends its run).
         self._active: weakref.ref[_LoaderIterator] | None = None
@@ -480,6 +475,7 @@ class DataLoader:
         # check that the loader is iterable, which must neither start an engine process
         # nor use up a loaded state. While another iteration is in progress, the new
         # iterator changes nothing here; its first next() decides (see _begin).
+        follow_fit_loops()  # a Lightning fit loop may iterate it: see fit_loop_view
         iterator = _LoaderIterator(self)
         with self._starting:
             if self._in_progress() is None:
@@ -654,7 +650,7 @@ class DataLoader:
         """
         if not self.checkpointable:
             raise refuse_nondeterministic("DataLoader.state_dict()")
-        view = _fit_view(self)
+        view = fit_loop_view(self)  # how Lightning's fit loop, if it iterates us, stands
         local = self._local_state(view)
         if gather is None:
             gather = view is not None and view.saving
@@ -783,7 +779,7 @@ class Position:
 
     The one record of "the position after the last item handed out" on the
     torch side: the loader's ``state_dict()``, Lightning's fit loop
-    (``lightning.fit_loop_view``) and the ``ZephonDataModule`` stream read
+    (``_lightning_compat.fit_loop_view``) and the ``ZephonDataModule`` stream read
     it; the pipeline wrappers (``dataset.py``, ``node.py``) use the
     iterator's own ``state_dict()``, which is that position already.
 
@@ -837,29 +833,6 @@ class Position:
                 "of the last batch the training step received"
             )
         return self.handed[-1 - held]
-
-
-def _fit_view(loader: DataLoader) -> FitView | None:
-    """What Lightning's fit loop holds of ``loader`` when it iterates it (else None).
-
-    Read by ``zephon_torch.lightning.fit_loop_view``, imported only when
-    Lightning is: without it no fit loop can be on the stack.
-    """
-    if not any(name in sys.modules for name in _LIGHTNING):
-        return None
-    try:
-        from zephon_torch.lightning import fit_loop_view
-    except ImportError as exc:  # pytorch_lightning alone: zephon_torch.lightning needs lightning
-        if not loader._lightning_warned:
-            loader._lightning_warned = True
-            warnings.warn(
-                f"zephon DataLoader under pytorch_lightning: the position saved while "
-                f"Trainer.fit iterates this loader may be off by the batch(es) Lightning "
-                f"prefetched, because zephon_torch.lightning, which reads the fit loop, "
-                f"cannot be imported ({exc}); install the lightning package "
-                f"(pip install 'zephon-torch[lightning]')", RuntimeWarning, stacklevel=3)
-        return None
-    return fit_loop_view(loader)
 
 
 # --------------------------------------------------------------------------- validation

@@ -65,50 +65,23 @@ _OUTPUT_DEFINING = frozenset({"batch", "shuffle", "ensure_mixture", "replay_filt
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SourceConfig:
+class SourceConfig(SourceOptions):
     """How the sources are read and dealt to lanes: what ``Pipeline.from_*`` build.
+
+    The source options ``num_lanes`` ... ``exhausted``, their defaults and
+    their checks are those of :class:`~zephon_torch.sources.SourceOptions`,
+    which describes each.
 
     Attributes:
         datasets: The datasets, each with its mixture component id.
         weights: Each dataset's share (``None``: proportional to sizes).
-        num_lanes: Lanes the samples are dealt to.
-        chunk_size: Samples a lane reads at a time.
-        seed: Seed of the read order.
-        flush_every_k_chunks: Chunks per lane between flush sentinels
-            (``None``: automatic).
-        passes: Trips over the data (``None``: forever).
-        shuffle: Read each pass in a seeded order.
-        exhausted: ``"repeat"`` or ``"stop"``: what a mixture does when a
-            dataset runs out.
-
-    The arguments of :meth:`Pipeline.from_sources` say more about each.
     """
 
     datasets: tuple[Dataset, ...]
     weights: tuple[float, ...] | None = None
-    num_lanes: int = 8
-    chunk_size: int = 512
-    seed: int = 0
-    flush_every_k_chunks: int | None = None
-    passes: int | None = 1
-    shuffle: bool = True
-    exhausted: str = "repeat"
 
     def __post_init__(self) -> None:
-        _positive_int("num_lanes", self.num_lanes)
-        _positive_int("chunk_size", self.chunk_size)
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.flush_every_k_chunks is not None:
-            if not isinstance(self.flush_every_k_chunks, int) or self.flush_every_k_chunks < 0:
-                raise ValueError(
-                    f"flush_every_k_chunks must be None (automatic), 0 (no sentinels) or a "
-                    f"positive integer, got {self.flush_every_k_chunks!r}"
-                )
-        if self.passes is not None:
-            _positive_int("passes", self.passes)
-        if self.exhausted not in ("repeat", "stop"):
-            raise ValueError(f"exhausted must be 'repeat' or 'stop', got {self.exhausted!r}")
+        SourceOptions.__post_init__(self)  # (a slots dataclass has no zero-argument super())
         if not self.datasets:
             raise ValueError("a pipeline needs at least one dataset")
         if self.weights is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 __all__ = ["SOURCE_OPTION_NAMES", "SourceOptions", "document_source_options"]
@@ -113,17 +113,17 @@ class SourceOptions:
         if self.exhausted not in ("repeat", "stop"):
             raise ValueError(f"exhausted must be 'repeat' or 'stop', got {self.exhausted!r}")
 
-    @classmethod
-    def collect(cls, arguments: Mapping[str, Any]) -> SourceOptions:
+    @staticmethod
+    def collect(arguments: Mapping[str, Any]) -> SourceOptions:
         """The options among a builder's arguments (its ``locals()``), checked."""
-        return cls(**{name: arguments[name] for name in SOURCE_OPTION_NAMES})
+        return SourceOptions(**{name: arguments[name] for name in SOURCE_OPTION_NAMES})
 
     def as_dict(self) -> dict[str, Any]:
-        """The options as keyword arguments, by name."""
-        return asdict(self)
+        """The source options (only those) as keyword arguments, by name."""
+        return {name: getattr(self, name) for name in SOURCE_OPTION_NAMES}
 
 
-#: The names of the source options, in their order.
+#: The names of the source options, in their order (``SourceConfig`` adds its own fields).
 SOURCE_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SourceOptions))
 
 _ENTRY = re.compile(r"^    (\w+):")

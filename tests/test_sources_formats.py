@@ -19,7 +19,8 @@ from zephon_torch import cli
 from zephon_torch.pipeline import Pipeline, SourceConfig
 from zephon_torch.sources import SourceOptions
 from zephon_torch.sources import datasets as zd
-from zephon_torch.sources.formats import (
+from zephon_torch.sources.formats import registry as formats_registry
+from zephon_torch.sources.formats.registry import (
     CommandLineFormat,
     SourceFormat,
     command_line_formats,
@@ -27,7 +28,6 @@ from zephon_torch.sources.formats import (
     register,
     registered_formats,
 )
-from zephon_torch.sources.formats import registry as registry_module
 from zephon_torch.sources.options import SOURCE_OPTION_NAMES, document_source_options
 
 _MIXTURE_ONLY = ("component_id", "name", "passes")
@@ -128,7 +128,7 @@ def test_a_builder_with_an_undocumented_parameter_is_refused_at_definition() -> 
 
 def test_a_registered_format_is_offered_by_the_command_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))
+    monkeypatch.setattr(formats_registry, "_REGISTRY", dict(formats_registry._REGISTRY))
     register(SourceFormat(
         name="csv_lines", factory=zd.text_files,
         command_line=CommandLineFormat(name="csv", label="CSV", suffixes=(".csv",),

@@ -49,7 +49,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from zephon_torch.pipeline import Pipeline
-from zephon_torch.sources.formats import CommandLineFormat, command_line_formats
+from zephon_torch.sources.formats.registry import CommandLineFormat, command_line_formats
 from zephon_torch.types import SampleBatch
 
 __all__ = ["main"]

@@ -47,7 +47,7 @@ from zephon_torch.ops.tokenize import ChatTemplate, Tokenize, TokenizeChat
 from zephon_torch.ops.transform import Filter, MapTransform
 from zephon_torch.sources import datasets as _datasets
 from zephon_torch.sources.base import Dataset
-from zephon_torch.sources.formats import format_named
+from zephon_torch.sources.formats.registry import format_named
 from zephon_torch.sources.mixing import check_weights
 from zephon_torch.sources.options import SourceOptions, document_source_options
 from zephon_torch.sources.schedule import block_layout

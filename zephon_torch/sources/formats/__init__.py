@@ -16,22 +16,8 @@ the command line read. Importing this package registers the built-in
 formats, in the order above.
 """
 
-# Imported for their registration (each module ends with ``register(...)``).
-from zephon_torch.sources.formats import items, jsonl, parquet, text_files  # noqa: F401
-from zephon_torch.sources.formats.registry import (
-    CommandLineFormat,
-    SourceFormat,
-    command_line_formats,
-    format_named,
-    register,
-    registered_formats,
-)
+# Imported for their registration (each module ends with ``register(...)``); the
+# interface and the registry are in ``registry.py``.
+from zephon_torch.sources.formats import items, jsonl, parquet, text_files
 
-__all__ = [
-    "CommandLineFormat",
-    "SourceFormat",
-    "command_line_formats",
-    "format_named",
-    "register",
-    "registered_formats",
-]
+__all__ = ["items", "jsonl", "parquet", "text_files"]

@@ -12,13 +12,19 @@ import hashlib
 import os
 import posixpath
 import warnings
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
 from zephon_torch.sources.base import Dataset, Shard
-from zephon_torch.sources.readers import RandomAccessFile, edge_digest, is_url
+from zephon_torch.sources.readers import (
+    KeyedLocks,
+    RandomAccessFile,
+    ReadOnceCache,
+    edge_digest,
+    is_url,
+)
 
 __all__ = [
     "FileDataset",
@@ -31,6 +37,7 @@ __all__ = [
     "content_signature",
     "even_share",
     "file_edges",
+    "read_once",
     "shard_names",
 ]
 
@@ -150,3 +157,26 @@ def content_signature(*parts: str) -> str:
     """16 hex digits standing for ``parts`` (the content digest of a shard)."""
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
 
+
+T = TypeVar("T")
+
+
+def read_once(cache: ReadOnceCache, locks: KeyedLocks, shard_id: int, unit: int,
+              load: Callable[[], tuple[T, int]]) -> T:
+    """A read unit (a block of lines, a row group) of a shard, loaded at most once.
+
+    ``load`` gives the unit and how many of its samples will be read; the
+    unit is kept in ``cache`` until that many have been. Threads that want a
+    unit being loaded wait for that one load (``locks`` holds one lock per
+    shard) instead of loading it again.
+    """
+    cached = cache.get(shard_id, unit)
+    if cached is not None:
+        return cached
+    with locks(shard_id):
+        cached = cache.get(shard_id, unit)
+        if cached is not None:
+            return cached
+        value, samples = load()
+        cache.put(shard_id, unit, value, samples)
+    return value

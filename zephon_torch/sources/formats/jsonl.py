@@ -30,6 +30,7 @@ from zephon_torch.sources.formats.common import (
     content_signature,
     even_share,
     file_edges,
+    read_once,
     shard_names,
 )
 from zephon_torch.sources.formats.registry import CommandLineFormat, SourceFormat, register
@@ -339,26 +340,23 @@ class JsonlDataset(FileDataset):
         """The bytes of one read block, read once and kept until the shard's next block
         is read: from the file's first byte for block 0, else from the line ending
         before the block's first line (``read_lines_at`` checks it)."""
-        cached = self._last_block.get(shard_id, block)
-        if cached is not None:
-            return cached
-        with self._reading(shard_id):  # threads wanting this block wait for one read
-            cached = self._last_block.get(shard_id, block)
-            if cached is not None:
-                return cached
-            file = self._files[shard_id]
-            lo = 0 if block == 0 else int(offsets[starts[block]]) - 1
-            hi = (int(offsets[starts[block + 1]]) if block + 1 < len(starts)
-                  else file.stat.size)
-            handle = self._handles.get(shard_id, lambda: self._open(shard_id))
-            data = handle.read_at(lo, hi - lo)
-            if len(data) < hi - lo:
-                raise _rewritten(f"{file.path!r} is shorter than its line index says")
-            view = _BlockBytes(file.path, block, lo, data)
-            stop = (int(starts[block + 1]) if block + 1 < len(starts)
-                    else self._shards[shard_id].num_samples)
-            self._last_block.put(shard_id, block, view, stop - int(starts[block]))
-        return view
+        return read_once(self._last_block, self._reading, shard_id, block,
+                         lambda: self._read_block(shard_id, block, offsets, starts))
+
+    def _read_block(self, shard_id: int, block: int, offsets: np.ndarray,
+                    starts: np.ndarray) -> tuple[_BlockBytes, int]:
+        """One read block from the file, and the number of lines it holds."""
+        file = self._files[shard_id]
+        lo = 0 if block == 0 else int(offsets[starts[block]]) - 1
+        hi = (int(offsets[starts[block + 1]]) if block + 1 < len(starts)
+              else file.stat.size)
+        handle = self._handles.get(shard_id, lambda: self._open(shard_id))
+        data = handle.read_at(lo, hi - lo)
+        if len(data) < hi - lo:
+            raise _rewritten(f"{file.path!r} is shorter than its line index says")
+        stop = (int(starts[block + 1]) if block + 1 < len(starts)
+                else self._shards[shard_id].num_samples)
+        return _BlockBytes(file.path, block, lo, data), stop - int(starts[block])
 
     def blocks(self, shard_id: int) -> np.ndarray:
         """Read blocks of about :attr:`block_bytes` bytes of lines (one for a compressed

@@ -22,6 +22,7 @@ from zephon_torch.sources.formats.common import (
     OnError,
     content_signature,
     even_share,
+    read_once,
     shard_names,
 )
 from zephon_torch.sources.formats.registry import CommandLineFormat, SourceFormat, register
@@ -348,18 +349,10 @@ class ParquetDataset(FileDataset):
 
     def _row_group(self, shard_id: int, row_group: int) -> Any:
         """A decoded row group, kept per shard until its rows have all been read."""
-        cached = self._groups.get(shard_id, row_group)
-        if cached is not None:
-            return cached
-        with self._decoding(shard_id):  # threads wanting this group wait for one decode
-            cached = self._groups.get(shard_id, row_group)
-            if cached is not None:
-                return cached
-            table = self._read_row_group(shard_id, row_group)
-            bounds = self._bounds[shard_id]
-            self._groups.put(shard_id, row_group, table,
-                             int(bounds[row_group + 1] - bounds[row_group]))
-        return table
+        bounds = self._bounds[shard_id]
+        return read_once(self._groups, self._decoding, shard_id, row_group, lambda: (
+            self._read_row_group(shard_id, row_group),
+            int(bounds[row_group + 1] - bounds[row_group])))
 
     def read(self, shard_id: int, local_ids: Sequence[int]) -> list[dict[str, Any]]:
         """One dict per row of ``local_ids``, in the order given."""

@@ -14,14 +14,16 @@ of the package needs to know about it:
 The command line builds its ``--format`` choices, folder search and messages
 from the registry (:func:`command_line_formats`), so a new format is one
 module that calls :func:`register`, imported by ``formats/__init__.py`` for
-a built-in one. For example, the JSONL module ends with::
+a built-in one. For example, a format of CSV files, one row a sample,
+would end its module with::
 
-    register(SourceFormat(
-        name="jsonl", factory=jsonl, builder="from_jsonl",
-        command_line=CommandLineFormat(
-            name="jsonl", label="JSONL",
-            suffixes=(".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".ndjson"),
-            marks=(".jsonl", ".json", ".ndjson"), rank=1)))
+    register(SourceFormat(name="csv", factory=csv_rows, builder=None,
+                          command_line=CommandLineFormat(name="csv", label="CSV",
+                                                         suffixes=(".csv",),
+                                                         endings=(".csv",))))
+
+and ``zephon-torch inspect data/*.csv`` would read it. A format without a
+builder is read with ``Pipeline.from_sources([csv_rows(paths)])``.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from zephon_torch.pipeline import Pipeline
+from zephon_torch.sources.formats.registry import CommandLineFormat, command_line_formats
 from zephon_torch.types import SampleBatch
 
 __all__ = ["main"]
@@ -368,23 +369,23 @@ class _UsageError(Exception):
     """A problem with the command's input, shown as one ``error:`` line (no traceback)."""
 
 
-#: The file names of each format, as a folder argument is searched.
-_SUFFIXES = {
-    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".ndjson"),
-    "parquet": (".parquet",),
-    "text": (".txt", ".md"),
-}
+def _formats() -> dict[str, CommandLineFormat]:
+    """The formats ``--format`` can name (the registry's), by that name."""
+    return {name: f.command_line for name, f in command_line_formats().items()
+            if f.command_line is not None}
+
+
+def _one_of(words: Sequence[str]) -> str:
+    """``"a, b or c"``."""
+    return " or ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else list(words))
 
 
 def _format_of(name: str) -> str | None:
     """The format a path or glob names by its extension (None: it names none)."""
     name = name.lower()
-    if ".parquet" in name:
-        return "parquet"
-    if any(ext in name for ext in (".jsonl", ".json", ".ndjson")):
-        return "jsonl"
-    if name.endswith((".txt", ".md", "*")):
-        return "text"
+    for fmt in sorted(_formats().values(), key=lambda f: f.rank):
+        if fmt.names(name):
+            return fmt.name
     return None
 
 
@@ -395,26 +396,29 @@ def _folder_files(folder: Path, fmt: str) -> tuple[str, list[str]]:
         _UsageError: The folder holds files of no format, or of several (and
             ``fmt`` does not choose).
     """
+    formats = _formats()
     files = sorted(p for p in folder.iterdir() if p.is_file())
-    found = {kind: [str(p) for p in files if p.name.lower().endswith(suffixes)]
-             for kind, suffixes in _SUFFIXES.items()}
+    found = {kind: [str(p) for p in files if p.name.lower().endswith(f.suffixes)]
+             for kind, f in formats.items()}
     if fmt != "auto":
         if not found[fmt]:
             raise _UsageError(f"the folder {str(folder)!r} holds no {fmt} file (names ending "
-                              f"in {', '.join(_SUFFIXES[fmt])}); pass a glob of its files, "
-                              f"such as '{folder}/*'")
+                              f"in {', '.join(formats[fmt].suffixes)}); pass a glob of its "
+                              f"files, such as '{folder}/*'")
         return fmt, found[fmt]
     kinds = [kind for kind, paths in found.items() if paths]
     if len(kinds) == 1:
         return kinds[0], found[kinds[0]]
     if not kinds:
-        raise _UsageError(f"the folder {str(folder)!r} holds no JSONL, Parquet or text file "
-                          "(.jsonl, .parquet, .txt, ...); pass a glob of the files to read "
-                          "with --format jsonl, parquet or text")
+        labels = _one_of([f.label for f in formats.values()])
+        examples = ", ".join(f.suffixes[0] for f in formats.values())
+        raise _UsageError(f"the folder {str(folder)!r} holds no {labels} file "
+                          f"({examples}, ...); pass a glob of the files to read "
+                          f"with --format {_one_of(list(formats))}")
     counts = ", ".join(f"{len(found[kind])} {kind}" for kind in kinds)
     raise _UsageError(f"the folder {str(folder)!r} holds files of several formats ({counts}); "
                       f"pass --format {' or '.join(kinds)}, or a glob such as "
-                      f"'{folder}/*{_SUFFIXES[kinds[0]][0]}'")
+                      f"'{folder}/*{formats[kinds[0]].suffixes[0]}'")
 
 
 def _source_for(pattern: str, fmt: str, **config: Any) -> Pipeline:
@@ -430,13 +434,10 @@ def _source_for(pattern: str, fmt: str, **config: Any) -> Pipeline:
         named = _format_of(pattern)
         if named is None:
             raise _UsageError(f"cannot tell the format of {pattern!r} from its name; pass "
-                              "--format jsonl, parquet or text")
+                              f"--format {_one_of(list(_formats()))}")
         fmt = named
-    if fmt == "parquet":
-        return Pipeline.from_parquet(paths, **config)
-    if fmt == "jsonl":
-        return Pipeline.from_jsonl(paths, **config)
-    return Pipeline.from_text_files(paths, **config)
+    dataset = command_line_formats()[fmt].open(paths)
+    return Pipeline.from_sources([dataset], **config)
 
 
 def _first_payload(source: Pipeline) -> tuple[Any, str] | None:
@@ -716,7 +717,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--batches", type=_POSITIVE, default=3, help="batches to show")
     inspect.add_argument("--batch-size", type=_POSITIVE, default=8, help="rows per batch")
     inspect.add_argument("--field", default="text", help="the text field of each record")
-    inspect.add_argument("--format", default="auto", choices=["auto", "jsonl", "parquet", "text"],
+    inspect.add_argument("--format", default="auto", choices=["auto", *_formats()],
                          help="the files' format; auto reads it from the extension")
     inspect.add_argument("--num-lanes", type=_POSITIVE, default=8, help="lanes of the pipeline")
     inspect.add_argument("--chunk-size", type=_POSITIVE, default=512,

@@ -47,7 +47,9 @@ from zephon_torch.ops.tokenize import ChatTemplate, Tokenize, TokenizeChat
 from zephon_torch.ops.transform import Filter, MapTransform
 from zephon_torch.sources import datasets as _datasets
 from zephon_torch.sources.base import Dataset
+from zephon_torch.sources.formats.registry import format_named
 from zephon_torch.sources.mixing import check_weights
+from zephon_torch.sources.options import SourceOptions, document_source_options
 from zephon_torch.sources.schedule import block_layout
 from zephon_torch.topology import worker_lanes
 
@@ -63,50 +65,23 @@ _OUTPUT_DEFINING = frozenset({"batch", "shuffle", "ensure_mixture", "replay_filt
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SourceConfig:
+class SourceConfig(SourceOptions):
     """How the sources are read and dealt to lanes: what ``Pipeline.from_*`` build.
+
+    The source options ``num_lanes`` ... ``exhausted``, their defaults and
+    their checks are those of :class:`~zephon_torch.sources.SourceOptions`,
+    which describes each.
 
     Attributes:
         datasets: The datasets, each with its mixture component id.
         weights: Each dataset's share (``None``: proportional to sizes).
-        num_lanes: Lanes the samples are dealt to.
-        chunk_size: Samples a lane reads at a time.
-        seed: Seed of the read order.
-        flush_every_k_chunks: Chunks per lane between flush sentinels
-            (``None``: automatic).
-        passes: Trips over the data (``None``: forever).
-        shuffle: Read each pass in a seeded order.
-        exhausted: ``"repeat"`` or ``"stop"``: what a mixture does when a
-            dataset runs out.
-
-    The arguments of :meth:`Pipeline.from_sources` say more about each.
     """
 
     datasets: tuple[Dataset, ...]
     weights: tuple[float, ...] | None = None
-    num_lanes: int = 8
-    chunk_size: int = 512
-    seed: int = 0
-    flush_every_k_chunks: int | None = None
-    passes: int | None = 1
-    shuffle: bool = True
-    exhausted: str = "repeat"
 
     def __post_init__(self) -> None:
-        _positive_int("num_lanes", self.num_lanes)
-        _positive_int("chunk_size", self.chunk_size)
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.flush_every_k_chunks is not None:
-            if not isinstance(self.flush_every_k_chunks, int) or self.flush_every_k_chunks < 0:
-                raise ValueError(
-                    f"flush_every_k_chunks must be None (automatic), 0 (no sentinels) or a "
-                    f"positive integer, got {self.flush_every_k_chunks!r}"
-                )
-        if self.passes is not None:
-            _positive_int("passes", self.passes)
-        if self.exhausted not in ("repeat", "stop"):
-            raise ValueError(f"exhausted must be 'repeat' or 'stop', got {self.exhausted!r}")
+        SourceOptions.__post_init__(self)  # (a slots dataclass has no zero-argument super())
         if not self.datasets:
             raise ValueError("a pipeline needs at least one dataset")
         if self.weights is not None:
@@ -226,8 +201,13 @@ class Pipeline:
         self._ops = ops
 
     # ------------------------------------------------------------------ sources
+    #
+    # The source options (num_lanes ... exhausted) are spelled out in each builder's
+    # signature, with SourceConfig's defaults; each builder collects them into one
+    # SourceOptions (which checks them) and takes their docstring entries from it.
 
     @classmethod
+    @document_source_options
     def from_sources(
         cls,
         sources: Sequence[Dataset],
@@ -243,6 +223,10 @@ class Pipeline:
     ) -> Pipeline:
         """Several datasets (mixture components) in one stream.
 
+        The source options (``num_lanes`` to ``exhausted``, also taken by
+        every other ``from_*``) are described in
+        :class:`~zephon_torch.sources.SourceOptions`.
+
         Args:
             sources: Datasets made with ``zt.sources.items``, ``jsonl``,
                 ``parquet`` or ``text_files``, each with its ``component_id``.
@@ -255,26 +239,6 @@ class Pipeline:
                 full (a warning when another dataset would be read more than
                 10 times its passes; see ``zephon_torch.sources.mixing``). A
                 positive weight on a dataset with no samples is an error.
-            num_lanes: Lanes the samples are dealt to. A lane is the unit of
-                parallelism and of checkpoints, fixed for a run: use at least
-                the largest world size you will train on.
-            chunk_size: Samples a lane reads at a time (the unit of the work
-                schedule).
-            seed: Seed of the read order: the order of the shards, read
-                blocks and samples of each pass. ``shuffle()`` has a seed of
-                its own.
-            flush_every_k_chunks: Chunks per lane between two flush sentinels,
-                which bound what reordering stages (packing, shuffle, mixture)
-                hold at a checkpoint. ``None``: 8 when a stage reorders
-                records, else 0 (no sentinels).
-            passes: Trips over the data; ``None`` repeats forever. A dataset's
-                own ``passes`` overrides it.
-            shuffle: Read each pass in a seeded order (shards, read blocks and
-                the samples within them), reshuffled every pass; ``False``
-                keeps file order.
-            exhausted: ``"repeat"``: a dataset that runs out starts another
-                pass, reshuffled, until every dataset has finished its passes;
-                ``"stop"``: the stream ends when the first one runs out.
 
         Returns:
             A pipeline with no operators yet.
@@ -312,14 +276,24 @@ class Pipeline:
             resolved = tuple(float(w) for w in weights)
         else:
             resolved = None
-        config = SourceConfig(
-            datasets=datasets, weights=resolved, num_lanes=num_lanes, chunk_size=chunk_size,
-            seed=seed, flush_every_k_chunks=flush_every_k_chunks, passes=passes,
-            shuffle=shuffle, exhausted=exhausted,
-        )
-        return cls(config)
+        return cls._from_datasets(datasets, resolved, SourceOptions.collect(locals()))
 
     @classmethod
+    def _from_datasets(cls, datasets: tuple[Dataset, ...], weights: tuple[float, ...] | None,
+                       options: SourceOptions) -> Pipeline:
+        """The pipeline of these datasets and weights, read with ``options``."""
+        return cls(SourceConfig(datasets=datasets, weights=weights, **options.as_dict()))
+
+    @classmethod
+    def _from_format(cls, name: str, what: Any, arguments: Mapping[str, Any],
+                     **format_options: Any) -> Pipeline:
+        """One dataset of the registered format ``name``, made from ``what`` and
+        ``format_options``, read with the source options among ``arguments``."""
+        dataset = format_named(name).open(what, **format_options)
+        return cls._from_datasets((dataset,), None, SourceOptions.collect(arguments))
+
+    @classmethod
+    @document_source_options
     def from_items(
         cls,
         items: Sequence[Any],
@@ -337,20 +311,15 @@ class Pipeline:
 
         ``fetch``/``decode_text`` are not needed after it (and are harmless).
         Unlike the file sources, it keeps the items' order unless
-        ``shuffle=True``.
+        ``shuffle=True``. The other source options are described in
+        :class:`~zephon_torch.sources.SourceOptions`.
 
         Args:
             items: The samples: dict payloads (used as they are), strings
                 (``s`` becomes ``{"text": s}``) or 1-D arrays of token ids.
             on_error: ``"raise"`` or ``"skip"`` (a tombstone) for bad samples
                 met by ``fetch``/``decode_text``.
-            num_lanes: As for :meth:`from_sources`.
-            chunk_size: As for :meth:`from_sources`.
-            seed: As for :meth:`from_sources`.
-            flush_every_k_chunks: As for :meth:`from_sources`.
-            passes: As for :meth:`from_sources`.
             shuffle: Read in a seeded order (default: the items' order).
-            exhausted: As for :meth:`from_sources`.
 
         Returns:
             A pipeline with no operators yet.
@@ -366,13 +335,10 @@ class Pipeline:
             >>> [r.payload["text"] for b in pipe for r in b]
             ['a b', 'c']
         """
-        return cls.from_sources(
-            [_datasets.items(items, on_error=on_error)], num_lanes=num_lanes,
-            chunk_size=chunk_size, seed=seed, flush_every_k_chunks=flush_every_k_chunks,
-            passes=passes, shuffle=shuffle, exhausted=exhausted,
-        )
+        return cls._from_format("items", items, locals(), on_error=on_error)
 
     @classmethod
+    @document_source_options
     def from_jsonl(
         cls,
         paths: str | Sequence[str],
@@ -391,7 +357,8 @@ class Pipeline:
 
         Plain files are read by pointer through a line index built once and
         cached; ``.gz`` and ``.zst`` files are read as streams. Follow with
-        ``.fetch().decode_text()``.
+        ``.fetch().decode_text()``. The source options are described in
+        :class:`~zephon_torch.sources.SourceOptions`.
 
         Args:
             paths: A path, glob, directory or fsspec URL, or a list of them.
@@ -403,13 +370,6 @@ class Pipeline:
                 out unreadable matches (with a warning) and tombstone bad lines.
             cache_dir: Folder of the line-index cache (default
                 ``$ZEPHON_CACHE_DIR`` or ``~/.cache/zephon_torch/index``).
-            num_lanes: As for :meth:`from_sources`.
-            chunk_size: As for :meth:`from_sources`.
-            seed: As for :meth:`from_sources`.
-            flush_every_k_chunks: As for :meth:`from_sources`.
-            passes: As for :meth:`from_sources`.
-            shuffle: As for :meth:`from_sources`.
-            exhausted: As for :meth:`from_sources`.
 
         Returns:
             A pipeline with no operators yet.
@@ -418,14 +378,11 @@ class Pipeline:
             FileNotFoundError: A path or glob that matches no file.
             ValueError: An unsupported extension or an option out of range.
         """
-        return cls.from_sources(
-            [_datasets.jsonl(paths, on_error=on_error, cache_dir=cache_dir)],
-            num_lanes=num_lanes, chunk_size=chunk_size, seed=seed,
-            flush_every_k_chunks=flush_every_k_chunks, passes=passes, shuffle=shuffle,
-            exhausted=exhausted,
-        )
+        return cls._from_format("jsonl", paths, locals(), on_error=on_error,
+                                cache_dir=cache_dir)
 
     @classmethod
+    @document_source_options
     def from_parquet(
         cls,
         paths: str | Sequence[str],
@@ -442,7 +399,8 @@ class Pipeline:
     ) -> Pipeline:
         """Parquet files, one sample (a dict) per row, read by row group.
 
-        Needs ``pyarrow`` (``pip install 'zephon-torch[parquet]'``).
+        Needs ``pyarrow`` (``pip install 'zephon-torch[parquet]'``). The
+        source options are described in :class:`~zephon_torch.sources.SourceOptions`.
 
         Args:
             paths: A path, glob, directory or fsspec URL, or a list of them.
@@ -451,13 +409,6 @@ class Pipeline:
             columns: Columns to read (``None``: all); a str names one column.
             on_error: ``"raise"``: a file that cannot be opened is an error;
                 ``"skip"``: it counts as an empty file, with a warning.
-            num_lanes: As for :meth:`from_sources`.
-            chunk_size: As for :meth:`from_sources`.
-            seed: As for :meth:`from_sources`.
-            flush_every_k_chunks: As for :meth:`from_sources`.
-            passes: As for :meth:`from_sources`.
-            shuffle: As for :meth:`from_sources`.
-            exhausted: As for :meth:`from_sources`.
 
         Returns:
             A pipeline with no operators yet.
@@ -468,14 +419,11 @@ class Pipeline:
                 ``on_error="raise"``) or an option out of range.
             ImportError: ``pyarrow`` is not installed.
         """
-        return cls.from_sources(
-            [_datasets.parquet(paths, columns=columns, on_error=on_error)],
-            num_lanes=num_lanes, chunk_size=chunk_size, seed=seed,
-            flush_every_k_chunks=flush_every_k_chunks, passes=passes, shuffle=shuffle,
-            exhausted=exhausted,
-        )
+        return cls._from_format("parquet", paths, locals(), columns=columns,
+                                on_error=on_error)
 
     @classmethod
+    @document_source_options
     def from_text_files(
         cls,
         paths: str | Sequence[str],
@@ -493,7 +441,8 @@ class Pipeline:
         """Text files, each file one document.
 
         Follow with ``.fetch().decode_text()``, which makes each file
-        ``{field: text}``.
+        ``{field: text}``. The source options are described in
+        :class:`~zephon_torch.sources.SourceOptions`.
 
         Args:
             paths: A path, glob, directory or fsspec URL, or a list of them
@@ -502,13 +451,6 @@ class Pipeline:
             on_error: ``"raise"`` or ``"skip"`` (a tombstone) for a file that
                 is not UTF-8.
             field: The payload key the text goes to.
-            num_lanes: As for :meth:`from_sources`.
-            chunk_size: As for :meth:`from_sources`.
-            seed: As for :meth:`from_sources`.
-            flush_every_k_chunks: As for :meth:`from_sources`.
-            passes: As for :meth:`from_sources`.
-            shuffle: As for :meth:`from_sources`.
-            exhausted: As for :meth:`from_sources`.
 
         Returns:
             A pipeline with no operators yet.
@@ -517,12 +459,7 @@ class Pipeline:
             FileNotFoundError: A path or glob that matches no file.
             ValueError: An option out of range.
         """
-        return cls.from_sources(
-            [_datasets.text_files(paths, on_error=on_error, field=field)],
-            num_lanes=num_lanes, chunk_size=chunk_size, seed=seed,
-            flush_every_k_chunks=flush_every_k_chunks, passes=passes, shuffle=shuffle,
-            exhausted=exhausted,
-        )
+        return cls._from_format("text_files", paths, locals(), on_error=on_error, field=field)
 
     # ------------------------------------------------------------------ operators
     #

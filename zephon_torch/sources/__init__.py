@@ -1,7 +1,9 @@
 """Sources: datasets (mixture components), shards, and the work schedule.
 
 ``zt.sources.items/jsonl/parquet/text_files`` build dataset objects for
-``Pipeline.from_sources``; each carries its ``component_id``.
+``Pipeline.from_sources``; each carries its ``component_id``. Each format is
+one module of ``zephon_torch.sources.formats``, registered by name;
+:class:`SourceOptions` documents the options every ``Pipeline.from_*`` takes.
 """
 
 from zephon_torch.sources.base import POINTER, Dataset, Pointer, Shard, is_pointer
@@ -15,6 +17,7 @@ from zephon_torch.sources.datasets import (
     parquet,
     text_files,
 )
+from zephon_torch.sources.options import SourceOptions
 from zephon_torch.sources.readers import DataChangedError
 
 __all__ = [
@@ -26,6 +29,7 @@ __all__ = [
     "ParquetDataset",
     "Pointer",
     "Shard",
+    "SourceOptions",
     "TextFilesDataset",
     "is_pointer",
     "items",

@@ -125,6 +125,10 @@ class Operator:
 
     name: ClassVar[str] = "apply"
     default_microbatch_size: ClassVar[int] = 64
+    #: What :meth:`config` names this very class (subclasses do not inherit it) when
+    #: that is not its import path: a built-in operator moved to another module keeps
+    #: the name that saved states' fingerprints hold. ``None``: ``module.qualname``.
+    _config_name: ClassVar[str | None] = None
 
     def setup(self, ctx: OpContext) -> None:
         """Run once per process before any data arrives (load models, open files)."""
@@ -183,7 +187,8 @@ class Operator:
         not appear here.
         """
         kind = type(self)
-        return {"op": f"{kind.__module__}.{kind.__qualname__}"}
+        return {"op": kind.__dict__.get("_config_name")
+                or f"{kind.__module__}.{kind.__qualname__}"}
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "op")

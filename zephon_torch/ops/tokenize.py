@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from zephon_torch.block import Block, Ragged
-from zephon_torch.ops.base import Element
+from zephon_torch.ops.base import Element, live_records
 from zephon_torch.ops.chat_templates import DEFAULT_CHAT_TEMPLATE, is_jinja_template
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.ops.tokenize_chat import CHAT_ROLES, TokenizeChat
@@ -63,7 +63,6 @@ from zephon_torch.ops.tokenizer_base import (
     unencodable,
 )
 from zephon_torch.ops.tokenizer_loading import BOS_TOKEN_CANDIDATES, EOS_TOKEN_CANDIDATES
-from zephon_torch.ops.transform import _check_record
 from zephon_torch.types import SampleRecord
 from zephon_torch.vocab import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG
 
@@ -159,12 +158,7 @@ class Tokenize(TokenizerOperator):
         out: list[Element] = list(elems)
         texts: list[str] = []
         where: list[int] = []
-        for i, rec in enumerate(elems):
-            if type(rec) is not SampleRecord:
-                _check_record(rec, self.name)
-            meta = rec.meta
-            if meta.tags and meta.is_sentinel:
-                continue
+        for i, rec in live_records(elems, self.name):
             payload = rec.payload
             text = payload.get(field) if isinstance(payload, Mapping) else None
             if isinstance(text, str):

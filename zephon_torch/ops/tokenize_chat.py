@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from zephon_torch.block import Block
-from zephon_torch.ops.base import Element
+from zephon_torch.ops.base import Element, live_records
 from zephon_torch.ops.chat_templates import (
     DEFAULT_CHAT_TEMPLATE,
     GENERATION_MARK,
@@ -54,7 +54,7 @@ from zephon_torch.ops.tokenizer_loading import (
     TokenizerSource,
     load_tokenizer,
 )
-from zephon_torch.ops.transform import _check_record, callable_config
+from zephon_torch.ops.transform import callable_config
 from zephon_torch.types import SampleRecord
 
 __all__ = ["CHAT_ROLES", "TokenizeChat"]
@@ -415,12 +415,7 @@ class TokenizeChat(TokenizerOperator):
               ) -> Iterator[tuple[int, SampleRecord]]:
         """``(index, record)`` of each record to tokenize, in order; sentinels are
         skipped, and a record without a valid conversation is rejected in ``out``."""
-        for i, rec in enumerate(elems):
-            if type(rec) is not SampleRecord:
-                _check_record(rec, self.name)
-            meta = rec.meta
-            if meta.tags and meta.is_sentinel:
-                continue
+        for i, rec in live_records(elems, self.name):
             problem = self._problem(rec.payload)
             if problem is not None:
                 out[i] = self._reject(rec, "tokenize_chat_error", problem)

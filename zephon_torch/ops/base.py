@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from itertools import compress, count
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from zephon_torch.block import Block
 from zephon_torch.types import SampleBatch, SampleRecord
 from zephon_torch.vocab import TOMBSTONE_DETAIL_TAG, TOMBSTONE_REASON_TAG, tombstone_tags
@@ -46,6 +48,7 @@ __all__ = [
     "Operator",
     "check_elements",
     "live_records",
+    "live_rows",
     "tombstone",
 ]
 
@@ -273,6 +276,18 @@ def _checked_records(elems: Sequence[Element], stage: str
         if rec.meta.is_sentinel:
             continue
         yield i, rec
+
+
+def live_rows(block: Block) -> Sequence[int]:
+    """The positions of a block's data rows, ascending: :func:`live_records` for a block.
+
+    Tombstone rows are left out (a block holds no flush sentinels: they travel
+    between blocks)::
+
+        tomb [F, T, F, F]  ->  [0, 2, 3]        tomb None (no tombstone)  ->  range(4)
+    """
+    tomb = block.tomb
+    return range(len(block)) if tomb is None else np.flatnonzero(~tomb).tolist()
 
 
 def tombstone(record: SampleRecord, reason: str, detail: str | None = None) -> SampleRecord:

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from zephon_torch.block import Block, Ragged
-from zephon_torch.ops.base import Element, live_records
+from zephon_torch.ops.base import Element, live_records, live_rows
 from zephon_torch.ops.chat_templates import DEFAULT_CHAT_TEMPLATE, is_jinja_template
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.ops.tokenize_chat import CHAT_ROLES, TokenizeChat
@@ -193,7 +193,6 @@ class Tokenize(TokenizerOperator):
         """
         n = len(block)
         field = self.field
-        dead = block.tomb
         fields = block.fields
         if fields is not None and isinstance(fields.get(field), list):
             texts_in: list[Any] = fields[field]
@@ -201,10 +200,9 @@ class Tokenize(TokenizerOperator):
         else:
             payloads = block.payload_list()
             texts_in = [p.get(field) if isinstance(p, Mapping) else None for p in payloads]
-        live = [i for i in range(n)
-                if (dead is None or not dead[i]) and isinstance(texts_in[i], str)]
-        bad = [i for i in range(n) if (dead is None or not dead[i]) and
-               not isinstance(texts_in[i], str)]
+        rows = live_rows(block)
+        live = [i for i in rows if isinstance(texts_in[i], str)]
+        bad = [i for i in rows if not isinstance(texts_in[i], str)]
         texts = [texts_in[i] for i in live]
         encoded: list[Any] = []
         if texts:
@@ -271,12 +269,11 @@ class Tokenize(TokenizerOperator):
             fields[out_field] = column
             return block.with_fields(fields)
         assert payloads is not None
-        dead = block.tomb
+        rows = live_rows(block)
         keys = None
         same = True
-        for i, p in enumerate(payloads):
-            if dead is not None and dead[i]:
-                continue
+        for i in rows:
+            p = payloads[i]
             if type(p) is not dict:
                 same = False
                 break
@@ -291,8 +288,11 @@ class Tokenize(TokenizerOperator):
             fields[out_field] = column
             return block.with_fields(fields)
         views = column.rows()
-        new = [p if (dead is not None and dead[i]) or not isinstance(p, Mapping)
-               else {**p, out_field: views[i]} for i, p in enumerate(payloads)]
+        new = list(payloads)
+        for i in rows:
+            p = payloads[i]
+            if isinstance(p, Mapping):
+                new[i] = {**p, out_field: views[i]}
         return block.with_payloads(new)
 
     def _to_array(self, ids: list[int]) -> np.ndarray:

@@ -320,10 +320,5 @@ class Tokenize(TokenizerOperator):
             **super().config(),
             "field": self.field,
             "out_field": self.out_field,
-            "special_tokens": self.special_tokens,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "max_length": self.max_length,
-            "on_error": self.on_error,
-            "tokenizer_sha256": self.tokenizer_sha256,
+            **self._tokenizer_config(),
         }

@@ -521,12 +521,7 @@ class TokenizeChat(TokenizerOperator):
             "chat_template": described,
             "loss_on_last_turn_only": self.loss_on_last_turn_only,
             "roles": list(self.roles),
-            "special_tokens": self.special_tokens,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "max_length": self.max_length,
-            "on_error": self.on_error,
-            "tokenizer_sha256": self.tokenizer_sha256,
+            **self._tokenizer_config(),
         }
         if self.template_kind == "jinja":
             config["chat_template_variables"] = dict(sorted(self._template_variables.items()))

@@ -78,6 +78,8 @@ class TokenizerOperator(Operator):
 
     #: Between the sample id and the problem in error messages.
     _separator: ClassVar[str] = " "
+    #: The most ids a sample keeps (``None``: no cut); each operator sets it.
+    max_length: int | None
 
     def traits(self) -> OpTraits:
         """Elementwise: consecutive elementwise stages may be fused."""
@@ -220,6 +222,18 @@ class TokenizerOperator(Operator):
             advice += (f" (the source's on_error='skip' covers only fetch and decode_text, "
                        f"not {self.name})")
         raise ValueError(f"{head}{where}; {fix}, or {advice}") from cause
+
+    def _tokenizer_config(self) -> dict[str, Any]:
+        """The part of :meth:`config` both operators share: special tokens, length cut,
+        error mode and the tokenizer's fingerprint (in the order the configs list them)."""
+        return {
+            "special_tokens": self.special_tokens,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "max_length": self.max_length,
+            "on_error": self.on_error,
+            "tokenizer_sha256": self.tokenizer_sha256,
+        }
 
     def _dataset_of(self, sample_id: Any) -> Dataset | None:
         datasets = getattr(self, "_datasets", None)

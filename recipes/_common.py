@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from zephon_torch.demo import EOS, default_corpus, train_tokenizer
-from zephon_torch.ops.tokenize import EOS_TOKEN_CANDIDATES
+from zephon_torch.ops.tokenizer_loading import EOS_TOKEN_CANDIDATES
 
 __all__ = [
     "EOS",

@@ -44,7 +44,7 @@ from _common import (
 from tokenizers import Tokenizer
 
 import zephon_torch as zt
-from zephon_torch.ops.tokenize import DEFAULT_CHAT_TEMPLATE
+from zephon_torch.ops.chat_templates import DEFAULT_CHAT_TEMPLATE
 
 
 def parse_json_line(raw: bytes) -> dict:

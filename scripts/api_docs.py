@@ -35,6 +35,8 @@ MODULES = (
     "zephon_torch.ops",
     "zephon_torch.ops.io",
     "zephon_torch.ops.tokenize",
+    "zephon_torch.ops.tokenize_chat",
+    "zephon_torch.ops.chat_templates",
     "zephon_torch.ops.transform",
     "zephon_torch.ops.packing",
     "zephon_torch.ops.mixture",

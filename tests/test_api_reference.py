@@ -29,7 +29,8 @@ from zephon_torch.ops.io import DecodeText, Fetch
 from zephon_torch.ops.mixture import EnsureMixture
 from zephon_torch.ops.packing import PackFlat, PackSequences
 from zephon_torch.ops.shuffle import Shuffle
-from zephon_torch.ops.tokenize import Tokenize, TokenizeChat
+from zephon_torch.ops.tokenize import Tokenize
+from zephon_torch.ops.tokenize_chat import TokenizeChat
 from zephon_torch.ops.transform import Filter, MapTransform
 from zephon_torch.pipeline import Pipeline, SourceConfig
 from zephon_torch.sources import datasets

@@ -139,7 +139,7 @@ def test_tokenize_keeps_dict_payloads_of_other_shapes_per_row(tokenizer: Any) ->
 
 
 def test_tokenize_chat_decides_on_blocks_as_on_records(tokenizer: Any) -> None:
-    from zephon_torch.ops.tokenize import TokenizeChat
+    from zephon_torch.ops.tokenize_chat import TokenizeChat
 
     rng = np.random.default_rng(5)
     items: list[Any] = []

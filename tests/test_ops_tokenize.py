@@ -17,13 +17,10 @@ from tokenizers import Tokenizer
 
 from zephon_torch.ops.accumulators import CountingAccumulator
 from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, OpContext, tombstone
-from zephon_torch.ops.tokenize import (
-    BOS_TOKEN_CANDIDATES,
-    DEFAULT_CHAT_TEMPLATE,
-    EOS_TOKEN_CANDIDATES,
-    Tokenize,
-    TokenizeChat,
-)
+from zephon_torch.ops.chat_templates import DEFAULT_CHAT_TEMPLATE
+from zephon_torch.ops.tokenize import Tokenize
+from zephon_torch.ops.tokenize_chat import TokenizeChat
+from zephon_torch.ops.tokenizer_loading import BOS_TOKEN_CANDIDATES, EOS_TOKEN_CANDIDATES
 from zephon_torch.types import FLUSH_SENTINEL_TAG, SampleBatch, SampleMeta, SampleRecord
 
 EOT, BOS = 0, 1  # "<|endoftext|>" and "<s>" in the test tokenizer
@@ -570,6 +567,17 @@ def test_chat_config_tracks_the_template(tok):
     with_fn = TokenizeChat(tok, chat_template=_template).config()
     assert with_fn["chat_template"]["name"].endswith("._template")
     assert TokenizeChat(tok, loss_on_last_turn_only=True).config() != cfg
+
+
+def test_the_operators_keep_the_names_saved_fingerprints_hold(tok):
+    # Both lived in ops/tokenize.py; a state saved then must still match.
+    assert Tokenize(tok).config()["op"] == "zephon_torch.ops.tokenize.Tokenize"
+    assert TokenizeChat(tok).config()["op"] == "zephon_torch.ops.tokenize.TokenizeChat"
+
+    class Mine(TokenizeChat):
+        pass
+
+    assert Mine(tok).config()["op"].endswith(".Mine")  # a subclass is named for itself
 
 
 # --------------------------------------------------------------------------- default special tokens

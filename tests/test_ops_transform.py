@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zephon_torch.ops.accumulators import CountingAccumulator
-from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, OpContext, tombstone
+from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, OpContext, live_records, tombstone
 from zephon_torch.ops.transform import PLACEMENTS, Filter, MapTransform, callable_config
 from zephon_torch.types import FLUSH_SENTINEL_TAG, SampleBatch, SampleMeta, SampleRecord
 
@@ -345,3 +345,38 @@ def test_a_map_over_a_block_drops_the_nones_its_records_would_drop(rows: list[An
     got = [r for block in blocks_from_elements(records) for r in
            op.process_block(block).records()]
     assert got == expected
+
+
+# --------------------------------------------------------------------------- live_records
+
+
+@given(st.lists(st.sampled_from(["data", "tagged", "tombstone", "flush", "same_flush"]),
+                max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_live_records_skips_exactly_the_control_records(kinds):
+    flush = _flush_sentinel()
+    elems = []
+    for i, kind in enumerate(kinds):
+        rec = _rec(i, {"text": str(i)})
+        if kind == "tagged":  # tags that mark no control record
+            rec = SampleRecord(rec.meta._replace(tags={"note": 1}), rec.payload)
+        elif kind == "tombstone":
+            rec = tombstone(rec, "filter")
+        elif kind == "flush":
+            rec = _flush_sentinel()
+        elif kind == "same_flush":  # one object standing twice
+            rec = flush
+        elems.append(rec)
+    expected = [(i, rec) for i, rec in enumerate(elems) if not rec.meta.is_sentinel]
+    got = list(live_records(elems, "stage"))
+    assert [i for i, _ in got] == [i for i, _ in expected]
+    assert all(a is b for (_, a), (_, b) in zip(got, expected))
+
+
+def test_live_records_refuses_a_batch_where_it_stands():
+    batch = SampleBatch([_rec(9, {"text": "x"})])
+    seen = []
+    with pytest.raises(TypeError, match="stage works on SampleRecord elements, got SampleBatch"):
+        for i, _ in live_records([_rec(0, {}), _flush_sentinel(), _rec(2, {}), batch], "stage"):
+            seen.append(i)
+    assert seen == [0, 2]  # the work on earlier records came first

@@ -39,11 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 from zephon_torch.ops.base import Operator
 from zephon_torch.ops.batch import Batch
+from zephon_torch.ops.chat_templates import ChatTemplate
 from zephon_torch.ops.io import DecodeText, Fetch, OnError
 from zephon_torch.ops.mixture import EnsureMixture, WeightBy
 from zephon_torch.ops.packing import PackFlat, PackSequences
 from zephon_torch.ops.shuffle import Shuffle
-from zephon_torch.ops.tokenize import ChatTemplate, Tokenize, TokenizeChat
+from zephon_torch.ops.tokenize import Tokenize
+from zephon_torch.ops.tokenize_chat import TokenizeChat
 from zephon_torch.ops.transform import Filter, MapTransform
 from zephon_torch.sources import datasets as _datasets
 from zephon_torch.sources.base import Dataset

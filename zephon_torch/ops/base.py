@@ -25,9 +25,12 @@ accumulator groups elements into micro-batches of ``microbatch_size``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, count
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
 
 from zephon_torch.block import Block
 from zephon_torch.types import SampleBatch, SampleRecord
@@ -44,6 +47,8 @@ __all__ = [
     "OpTraits",
     "Operator",
     "check_elements",
+    "live_records",
+    "live_rows",
     "tombstone",
 ]
 
@@ -125,6 +130,10 @@ class Operator:
 
     name: ClassVar[str] = "apply"
     default_microbatch_size: ClassVar[int] = 64
+    #: What :meth:`config` names this very class (subclasses do not inherit it) when
+    #: that is not its import path: a built-in operator moved to another module keeps
+    #: the name that saved states' fingerprints hold. ``None``: ``module.qualname``.
+    _config_name: ClassVar[str | None] = None
 
     def setup(self, ctx: OpContext) -> None:
         """Run once per process before any data arrives (load models, open files)."""
@@ -183,7 +192,8 @@ class Operator:
         not appear here.
         """
         kind = type(self)
-        return {"op": f"{kind.__module__}.{kind.__qualname__}"}
+        return {"op": kind.__dict__.get("_config_name")
+                or f"{kind.__module__}.{kind.__qualname__}"}
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "op")
@@ -217,6 +227,67 @@ def check_elements(result: Any, stage: str) -> list[Element]:
     return result
 
 
+def live_records(elems: Sequence[Element], stage: str) -> Iterator[tuple[int, SampleRecord]]:
+    """``(index, record)`` of each data record of a micro-batch, in order.
+
+    The skip every record-wise operator makes: a control record (a tombstone,
+    a flush sentinel) is passed over, and stays in the output at its index
+    untouched; only data records reach the operator's work::
+
+        out = list(elems)
+        for i, rec in live_records(elems, self.name):
+            out[i] = SampleRecord(rec.meta, work(rec.payload))
+        return out
+
+    An element that is not a record raises when the iteration reaches it, so
+    an error in the work on an earlier record comes first, as in a loop
+    written out by hand.
+
+    Raises:
+        TypeError: An element is not a :class:`SampleRecord` (a batch: the
+            operator was placed after ``batch()``).
+    """
+    # One comprehension flags what needs a closer look (an element that is not a plain
+    # record, or one with tags): a micro-batch with none, the usual one, is then walked
+    # by ``enumerate``, and one with control records by ``compress`` over a mask, with
+    # no Python frame per record either way.
+    odd = [type(rec) is not SampleRecord or rec.meta.tags for rec in elems]
+    if not any(odd):
+        return enumerate(elems)
+    keep = [True] * len(odd)
+    for at in compress(count(), odd):
+        rec = elems[at]
+        if not isinstance(rec, SampleRecord):
+            return _checked_records(elems, stage)
+        if rec.meta.is_sentinel:
+            keep[at] = False
+    return compress(enumerate(elems), keep)
+
+
+def _checked_records(elems: Sequence[Element], stage: str
+                     ) -> Iterator[tuple[int, SampleRecord]]:
+    """:func:`live_records` one element at a time, for a micro-batch holding a non-record."""
+    for i, rec in enumerate(elems):
+        if not isinstance(rec, SampleRecord):
+            raise TypeError(
+                f"{stage} works on SampleRecord elements, got {type(rec).__name__}; "
+                "place it before batch()"
+            )
+        if rec.meta.is_sentinel:
+            continue
+        yield i, rec
+
+
+def live_rows(block: Block) -> Sequence[int]:
+    """The positions of a block's data rows, ascending: :func:`live_records` for a block.
+
+    Tombstone rows are left out (a block holds no flush sentinels: they travel
+    between blocks)::
+
+        tomb [F, T, F, F]  ->  [0, 2, 3]        tomb None (no tombstone)  ->  range(4)
+    """
+    tomb = block.tomb
+    return range(len(block)) if tomb is None else np.flatnonzero(~tomb).tolist()
 
 
 def tombstone(record: SampleRecord, reason: str, detail: str | None = None) -> SampleRecord:

@@ -49,7 +49,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from zephon_torch.block import ID_DATASET, ID_LOCAL, ID_SHARD, Block, concat_columns
-from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, tombstone
+from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, live_rows, tombstone
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.sources.base import POINTER, Dataset, is_pointer
 from zephon_torch.sources.readers import DataChangedError
@@ -430,15 +430,14 @@ class DecodeText(Operator):
                                 dtype=bool, count=n)
             return block.with_tombstones(empty, "empty") if empty.any() else block
         payloads = block.payloads
-        dead = block.tomb.tolist() if block.tomb is not None else None
+        assert payloads is not None
         sample_ids = block.ids[:, :3].tolist()
-        out = list(payloads)  # type: ignore[arg-type]
+        out = list(payloads)
         reasons: list[str | None] = [None] * n
         details: list[str | None] = [None] * n
         changed = False
-        for i, payload in enumerate(payloads):  # type: ignore[arg-type]
-            if dead is not None and dead[i]:
-                continue
+        for i in live_rows(block):
+            payload = payloads[i]
             kind, value = self._outcome(tuple(sample_ids[i]), payload)
             if kind == "value":
                 out[i] = value

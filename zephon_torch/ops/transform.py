@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from zephon_torch.block import Block
-from zephon_torch.ops.base import Element, Operator, OpTraits, tombstone
+from zephon_torch.ops.base import Element, Operator, OpTraits, live_records, tombstone
 from zephon_torch.ops.placement import PLACEMENTS, set_placement
 from zephon_torch.types import SampleRecord
 
@@ -150,14 +150,6 @@ def _cell_value(cell: Any) -> Any:
         return None
 
 
-def _check_record(elem: Any, stage: str) -> None:
-    if not isinstance(elem, SampleRecord):
-        raise TypeError(
-            f"{stage} works on SampleRecord elements, got {type(elem).__name__}; "
-            "place it before batch()"
-        )
-
-
 class MapTransform(Operator):
     """Apply ``fn(payload) -> payload`` to every record, keeping its meta.
 
@@ -191,25 +183,18 @@ class MapTransform(Operator):
         """Apply ``fn`` to each live record; sentinels and tombstones pass through."""
         fn = self.fn
         drop_none = self.drop_none
-        out: list[Element] = []
-        append = out.append
-        for rec in elems:
-            if type(rec) is not SampleRecord:
-                _check_record(rec, self.name)
-            meta = rec.meta
-            if meta.tags and meta.is_sentinel:
-                append(rec)
-                continue
+        out: list[Element] = list(elems)
+        for i, rec in live_records(elems, self.name):
             payload = rec.payload
             new = fn(payload)
             if new is payload:
                 # Same object back: no new record, which keeps an identity
                 # map nearly free (the engine overhead benchmark relies on it).
-                append(rec)
-            elif new is None and drop_none:
-                append(tombstone(rec, "map_none"))
+                continue
+            if new is None and drop_none:
+                out[i] = tombstone(rec, "map_none")
             else:
-                append(SampleRecord(meta, new))
+                out[i] = SampleRecord(rec.meta, new)
         return out
 
     def process_block(self, block: Block) -> Block:
@@ -268,16 +253,10 @@ class Filter(Operator):
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
         """Tombstone failing records; sentinels and tombstones pass through."""
         predicate = self.predicate
-        out: list[Element] = []
-        append = out.append
-        for rec in elems:
-            if type(rec) is not SampleRecord:
-                _check_record(rec, self.name)
-            meta = rec.meta
-            if (meta.tags and meta.is_sentinel) or predicate(rec.payload):
-                append(rec)
-            else:
-                append(tombstone(rec, "filter"))
+        out: list[Element] = list(elems)
+        for i, rec in live_records(elems, self.name):
+            if not predicate(rec.payload):
+                out[i] = tombstone(rec, "filter")
         return out
 
     def process_block(self, block: Block) -> Block:

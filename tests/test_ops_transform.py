@@ -13,6 +13,7 @@ import textwrap
 from typing import Any
 
 import pytest
+from contract_registry import ContractData, cases_for, check_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -345,3 +346,13 @@ def test_a_map_over_a_block_drops_the_nones_its_records_would_drop(rows: list[An
     got = [r for block in blocks_from_elements(records) for r in
            op.process_block(block).records()]
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    "case", cases_for("zephon_torch.ops.transform", "zephon_torch.ops.fused"))
+def test_map_transform_filter_and_fused_stages_keep_the_operator_contract(
+        case: str, contract_data: ContractData) -> None:
+    """Every runner, worker count and micro-batch size gives the inline output, each lane
+    the same on any number of ranks, every sample is delivered or tombstoned once, and a
+    checkpoint after any output resumes exactly (``zephon_torch.testing``)."""
+    check_case(case, contract_data)

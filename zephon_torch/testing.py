@@ -42,6 +42,7 @@ from zephon_torch.pipeline import Pipeline
 from zephon_torch.types import SampleBatch, SampleRecord, payloads_equal
 
 __all__ = [
+    "DEFAULT_RESUME_SETTINGS",
     "RUNNERS",
     "assert_conserved",
     "assert_deterministic",

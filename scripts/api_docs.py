@@ -29,6 +29,7 @@ MODULES = (
     "zephon_torch.types",
     "zephon_torch.checkpoint",
     "zephon_torch.checks",
+    "zephon_torch.testing",
     "zephon_torch.epochs",
     "zephon_torch.length",
     "zephon_torch.logs",

@@ -30,6 +30,7 @@ if not os.environ.get("ZEPHON_SHM_DIR"):
 else:
     _OWN_SHM_DIR = None
 
+from contract_registry import ContractData, write_contract_corpus
 from corpus import documents, write_jsonl, write_token_parquet
 from fixtures_tokenizer import train_test_tokenizer
 
@@ -58,6 +59,12 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A byte-level BPE trained on generated text (ids 0..3 are the special tokens)."""
     tok, _ = train_test_tokenizer(tmp_path_factory.mktemp("tok"))
     return tok
+
+
+@pytest.fixture(scope="session")
+def contract_data(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> ContractData:
+    """The small corpus and the tokenizer of the contract registry's pipelines."""
+    return ContractData(write_contract_corpus(tmp_path_factory.mktemp("contract")), tokenizer)
 
 
 # Long-lived helpers that are not ours to stop: multiprocessing's resource tracker

@@ -9,6 +9,7 @@ from pathlib import Path
 def test_import_zephon_torch_does_not_import_torch_lightning_or_ray() -> None:
     code = (
         "import sys, zephon_torch, zephon_torch.types, zephon_torch._training\n"
+        "import zephon_torch.testing\n"
         "heavy = [m for m in ('torch', 'lightning', 'ray', 'torchdata') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )

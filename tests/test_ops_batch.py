@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
+from contract_registry import ContractData, cases_for, check_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -197,3 +198,12 @@ def test_traits_and_config():
 def test_bad_microbatch_size_is_a_value_error_naming_it(bad):
     with pytest.raises(ValueError, match=f"microbatch_size.*{bad!r}"):
         Batch(bad)
+
+
+@pytest.mark.parametrize("case", cases_for("zephon_torch.ops.batch"))
+def test_batch_keeps_the_operator_contract(
+        case: str, contract_data: ContractData) -> None:
+    """Every runner, worker count and micro-batch size gives the inline output, each lane
+    the same on any number of ranks, every sample is delivered or tombstoned once, and a
+    checkpoint after any output resumes exactly (``zephon_torch.testing``)."""
+    check_case(case, contract_data)

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from contract_registry import ContractData, cases_for, check_case
 
 from zephon_torch.ops import OpContext, Operator, OpTraits
 from zephon_torch.ops.accumulators import CountingAccumulator
@@ -387,3 +388,12 @@ def test_whether_a_deeply_nested_line_loads_depends_on_the_line_not_on_the_stack
     with pytest.raises(ValueError, match=rf"nested too deeply .* at {path} line 2 "):
         ready(DecodeText(), {0: zd.jsonl(path, cache_dir=tmp_path / "cache")}).process_many(
             recs[1:2])
+
+
+@pytest.mark.parametrize("case", cases_for("zephon_torch.ops.io"))
+def test_fetch_and_decode_text_keep_the_operator_contract(
+        case: str, contract_data: ContractData) -> None:
+    """Every runner, worker count and micro-batch size gives the inline output, each lane
+    the same on any number of ranks, every sample is delivered or tombstoned once, and a
+    checkpoint after any output resumes exactly (``zephon_torch.testing``)."""
+    check_case(case, contract_data)

@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
+from contract_registry import ContractData, cases_for, check_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -364,3 +365,12 @@ def test_each_reset_flush_starts_the_lane_over(events, limit):
     for lane, parts in segments.items():
         expected = [r.meta.chunk_offset for part in parts for r in _drive(fresh(), part)]
         assert got[lane] == expected
+
+
+@pytest.mark.parametrize("case", cases_for("zephon_torch.ops.mixture"))
+def test_ensure_mixture_keeps_the_operator_contract(
+        case: str, contract_data: ContractData) -> None:
+    """Every runner, worker count and micro-batch size gives the inline output, each lane
+    the same on any number of ranks, every sample is delivered or tombstoned once, and a
+    checkpoint after any output resumes exactly (``zephon_torch.testing``)."""
+    check_case(case, contract_data)

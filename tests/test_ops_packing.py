@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from contract_registry import ContractData, cases_for, check_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -919,3 +920,12 @@ def test_the_packer_places_with_the_implementation_zephon_native_selects(placeme
     acc = accumulator(PackFlat(8))
     acc.push_many(docs([3]))
     assert acc._lanes[0].placer.native is (placement == "native")
+
+
+@pytest.mark.parametrize("case", cases_for("zephon_torch.ops.packing"))
+def test_pack_flat_and_pack_sequences_keep_the_operator_contract(
+        case: str, contract_data: ContractData) -> None:
+    """Every runner, worker count and micro-batch size gives the inline output, each lane
+    the same on any number of ranks, every sample is delivered or tombstoned once, and a
+    checkpoint after any output resumes exactly (``zephon_torch.testing``)."""
+    check_case(case, contract_data)

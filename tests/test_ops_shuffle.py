@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from contract_registry import ContractData, cases_for, check_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -591,3 +592,12 @@ def test_an_unsplit_state_resumes_exactly_under_the_buffer_size_the_refusal_name
         with pipe.iter(runner="inline") as it:
             it.load_state_dict(again)
             assert _texts(it) == reference[k + 1:]
+
+
+@pytest.mark.parametrize("case", cases_for("zephon_torch.ops.shuffle"))
+def test_shuffle_keeps_the_operator_contract(
+        case: str, contract_data: ContractData) -> None:
+    """Every runner, worker count and micro-batch size gives the inline output, each lane
+    the same on any number of ranks, every sample is delivered or tombstoned once, and a
+    checkpoint after any output resumes exactly (``zephon_torch.testing``)."""
+    check_case(case, contract_data)

@@ -10,6 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
+from contract_registry import ContractData, cases_for, check_case
 from fixtures_tokenizer import SPECIAL_TOKENS, train_test_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -880,3 +881,13 @@ def test_a_jinja_chat_the_tokenizer_cannot_encode_fails_alone(tmp_path, chat_tok
     out = TokenizeChat(d, on_error="skip").process_many(recs)
     assert out[1].meta.tags[TOMBSTONE_REASON_TAG] == "tokenize_chat_error"
     assert out[0].payload["input_ids"].tolist() == out[2].payload["input_ids"].tolist()
+
+
+@pytest.mark.parametrize(
+    "case", cases_for("zephon_torch.ops.tokenize", "zephon_torch.ops.tokenize_chat"))
+def test_tokenize_and_tokenize_chat_keep_the_operator_contract(
+        case: str, contract_data: ContractData) -> None:
+    """Every runner, worker count and micro-batch size gives the inline output, each lane
+    the same on any number of ranks, every sample is delivered or tombstoned once, and a
+    checkpoint after any output resumes exactly (``zephon_torch.testing``)."""
+    check_case(case, contract_data)

@@ -13,6 +13,7 @@ import textwrap
 from typing import Any
 
 import pytest
+from contract_registry import ContractData, cases_for, check_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -380,3 +381,13 @@ def test_live_records_refuses_a_batch_where_it_stands():
         for i, _ in live_records([_rec(0, {}), _flush_sentinel(), _rec(2, {}), batch], "stage"):
             seen.append(i)
     assert seen == [0, 2]  # the work on earlier records came first
+
+
+@pytest.mark.parametrize(
+    "case", cases_for("zephon_torch.ops.transform", "zephon_torch.ops.fused"))
+def test_map_transform_filter_and_fused_stages_keep_the_operator_contract(
+        case: str, contract_data: ContractData) -> None:
+    """Every runner, worker count and micro-batch size gives the inline output, each lane
+    the same on any number of ranks, every sample is delivered or tombstoned once, and a
+    checkpoint after any output resumes exactly (``zephon_torch.testing``)."""
+    check_case(case, contract_data)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from zephon_torch.checkpoint import ReplayFilter
+from zephon_torch.replay import ReplayFilter
 from zephon_torch.ops.base import OpContext, Operator
 from zephon_torch.ops.fused import parts_of
 from zephon_torch.ops.placement import placement_options

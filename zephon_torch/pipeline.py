@@ -33,6 +33,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from zephon_torch import length
 from zephon_torch.fingerprint import fingerprint_digest, pipeline_fingerprint
 from zephon_torch.ops.base import Operator
 from zephon_torch.ops.batch import Batch
@@ -50,10 +51,27 @@ from zephon_torch.sources.mixing import check_weights
 from zephon_torch.topology import worker_lanes
 
 if TYPE_CHECKING:
+    from torch.utils.data import IterableDataset
+
     from zephon_torch.runners.iterator import PipelineIterator
-    from zephon_torch.torch.dataset import TorchIterableDataset
 
 __all__ = ["CompiledStage", "Pipeline", "SourceConfig"]
+
+#: Makes :meth:`Pipeline.to_torch_dataset`'s wrapper,
+#: ``zephon_torch.torch.dataset.TorchIterableDataset(pipeline, **iter_kwargs)``. The torch
+#: integration imports this module, never the reverse: the package root installs it
+#: (:func:`install_torch_dataset`, in ``zephon_torch/__init__.py``), importing the
+#: integration (and torch) at the first call.
+_torch_dataset: Callable[..., IterableDataset] | None = None
+
+
+def install_torch_dataset(make: Callable[..., IterableDataset]) -> None:
+    """Make ``make(pipeline, **iter_kwargs)`` what :meth:`Pipeline.to_torch_dataset` returns.
+
+    The package root calls it once; nothing else needs to.
+    """
+    global _torch_dataset
+    _torch_dataset = make
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SourceConfig:
@@ -1014,9 +1032,7 @@ class Pipeline:
         items); see ``zephon_torch.length``. :meth:`num_batches_reason` says
         why a count is ``None``. The same in every epoch.
         """
-        from zephon_torch.length import num_batches
-
-        return num_batches(self, rank=rank, world_size=world_size, lanes=lanes)
+        return length.num_batches(self, rank=rank, world_size=world_size, lanes=lanes)
 
     def num_batches_reason(self) -> str | None:
         """Why :meth:`num_batches` is ``None``: every cause, in chain order (None: it is known).
@@ -1026,18 +1042,17 @@ class Pipeline:
             >>> pipe.num_batches_reason()
             'map_transform may drop, merge or hold back records'
         """
-        from zephon_torch.length import unknown_reason
+        return length.unknown_reason(self)
 
-        return unknown_reason(self)
-
-    def to_torch_dataset(self, **iter_kwargs: Any) -> TorchIterableDataset:
+    def to_torch_dataset(self, **iter_kwargs: Any) -> IterableDataset:
         """This pipeline as a torch ``IterableDataset`` with ``state_dict``/``load_state_dict``.
 
         See :class:`zephon_torch.torch.dataset.TorchIterableDataset` (imports torch).
         """
-        from zephon_torch.torch.dataset import TorchIterableDataset
-
-        return TorchIterableDataset(self, **iter_kwargs)
+        if _torch_dataset is None:  # only while zephon_torch/__init__.py is being imported
+            raise RuntimeError("Pipeline.to_torch_dataset needs the zephon_torch package "
+                               "imported first (import zephon_torch)")
+        return _torch_dataset(self, **iter_kwargs)
 
     def __iter__(self) -> Iterator[Any]:
         # Inside a torch DataLoader worker, take this worker's share of the lanes

@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from zephon_torch.block import ID_CHUNK, ID_DATASET, ID_LOCAL, ID_OFFSET, ID_SHARD, Block
+from zephon_torch.epochs import epoch_seed
 from zephon_torch.ops.accumulators import Accumulator, CountingAccumulator, lane_of
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
 from zephon_torch.ops.shuffle_buffer import (
@@ -536,8 +537,6 @@ class Shuffle(Operator):
         Its config (and so the fingerprint) is the same: the epoch travels in
         states on its own. Epoch 0 returns the operator itself.
         """
-        from zephon_torch.epochs import epoch_seed
-
         run_seed = epoch_seed(self.seed, epoch)
         if run_seed == self._run_seed:
             return self

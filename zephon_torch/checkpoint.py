@@ -16,14 +16,14 @@ checksum. It is plain JSON, and its size depends on the window, never on
 how far training got.
 
 **Resume.** Each lane replays its window from the epoch boundary (so every
-accumulator starts fresh exactly where it did live), then continues with
-new chunks. The :class:`ReplayFilter`, which the planner puts right before
-``batch``, drops the lane's replayed records until it has dropped the one
-equal to the replay cursor, and only then lets records through. Batching
-therefore rebuilds from an empty buffer at a point where, live, the buffer
-was empty too (the cursor is the last record of a delivered batch), so the
-continuation is exact. A worked example, batch size 3, sentinel at
-boundary ``B`` between ``o2`` and ``n1``::
+accumulator starts fresh exactly where it did live), then continues with new
+chunks. The :class:`~zephon_torch.replay.ReplayFilter`, which the planner
+puts right before ``batch``, drops the lane's replayed records until it has
+dropped the one equal to the replay cursor, and only then lets records
+through. Batching therefore rebuilds from an empty buffer at a point where,
+live, the buffer was empty too (the cursor is the last record of a delivered
+batch), so the continuation is exact. A worked example, batch size 3,
+sentinel at boundary ``B`` between ``o2`` and ``n1``::
 
     live:    [o0 o1 o2 | n1 n2 n3 ...]  -> batches [o0 o1 o2] [n1 n2 n3]   (cursor = o2)
     resume:  replay from the epoch of o2: o0 o1 o2 dropped, n1 n2 n3 -> [n1 n2 n3]
@@ -61,7 +61,7 @@ from zephon_torch.fingerprint import (
     is_detail,
 )
 from zephon_torch.ops.base import Operator, operator_class
-from zephon_torch.replay import ReplayFilter
+from zephon_torch.replay import ReplayFilter  # a public name here since it was defined here
 from zephon_torch.sources.schedule import ScheduleState
 from zephon_torch.state_checks import check_fields
 

@@ -94,11 +94,10 @@ def refuse_unsplit(differ: Sequence[str], mine: Mapping[str, Any],
                    theirs: Mapping[str, Any], num_lanes: int) -> str | None:
     """The refusal of a state saved while a shuffle's ``buffer_size`` was each lane's.
 
-    Such a state's shuffle has no ``buffer_split`` entry
-    (:data:`BUFFER_SPLIT`) in its config. The
-    generic message would tell the user to resume with the same operators,
-    which they did; this one says what changed and what to do. None when no
-    differing shuffle of the state predates the split.
+    Such a state's shuffle has no ``buffer_split`` entry (:data:`BUFFER_SPLIT`)
+    in its config. The generic message would tell the user to resume with the
+    same operators, which they did; this one says what changed and what to
+    do. None when no differing shuffle of the state predates the split.
     """
     old = [key for key in differ
            if key.startswith("ops[") and key.endswith("]") and key in theirs

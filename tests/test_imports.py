@@ -135,3 +135,98 @@ def test_the_iter_keyword_list_is_pipeline_iters_signature() -> None:
     from zephon_torch.runners.iterator import ITER_KWARGS
 
     assert tuple(inspect.signature(Pipeline.iter).parameters)[1:] == ITER_KWARGS
+
+
+def test_the_builder_the_data_model_and_the_checkpoints_reach_no_layer_above_them() -> None:
+    # Every import counts here, inside functions and under TYPE_CHECKING too: a lower
+    # module that imports a higher one in a function is the same circle, hidden.
+    # The package root (zephon_torch/__init__.py) plugs the upper layers into the hooks
+    # these modules declare (SampleBatch.to_training's conversion, the torch wrapper).
+    problems = [
+        *_offenders([_PACKAGE / "pipeline.py"], "zephon_torch.torch"),
+        *_offenders([_PACKAGE / "pipeline.py"], "zephon_torch.lightning"),
+        *_offenders([_PACKAGE / "types.py"], "zephon_torch._training"),
+        # The data model stands on the vocabulary alone.
+        *[f"zephon_torch/types.py imports {name}"
+          for name in sorted(_imported(_PACKAGE / "types.py"))
+          if name.startswith("zephon_torch") and not name.startswith("zephon_torch.vocab")],
+        # Checkpoints know no operator's rules: each operator migrates its own states
+        # (Operator.earlier_config / refuse_earlier_state), found through ops.base.
+        *[f"zephon_torch/checkpoint.py imports {name}"
+          for name in sorted(_imported(_PACKAGE / "checkpoint.py"))
+          if name.startswith("zephon_torch.ops.") and not name.startswith("zephon_torch.ops.base")],
+        # The fingerprint and its descriptions stand below the operators that use them.
+        *_offenders([_PACKAGE / "fingerprint.py"], "zephon_torch.ops"),
+        *_offenders([_PACKAGE / "fingerprint.py"], "zephon_torch.checkpoint"),
+        # The planner and the replay filter read a pipeline's parts, not the builder.
+        *[problem for path in (_PACKAGE / "planner.py", _PACKAGE / "replay.py")
+          for layer in ("zephon_torch.pipeline", "zephon_torch.checkpoint",
+                        "zephon_torch.runners")
+          for problem in _offenders([path], layer)],
+        *_offenders([_PACKAGE / "epochs.py"], "zephon_torch.pipeline", at_import_only=True),
+    ]
+    assert problems == []
+
+
+def _runtime_import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports when it runs (inside functions too; not
+    under ``if TYPE_CHECKING:``, which never runs)."""
+    modules = {}
+    for path in _PACKAGE.rglob("*.py"):
+        parts = path.relative_to(_PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+
+    def runtime(node: ast.AST) -> list[ast.AST]:
+        found = []
+        for child in ast.iter_child_nodes(node):
+            if (isinstance(child, ast.If) and isinstance(child.test, ast.Name)
+                    and child.test.id == "TYPE_CHECKING"):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            found.extend(runtime(child))
+        return found
+
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in runtime(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                named = [alias.name for alias in node.names]
+            elif node.module and not node.level:
+                named = [f"{node.module}.{alias.name}" for alias in node.names]
+                if node.module != "zephon_torch":  # `from zephon_torch import x`: x alone
+                    named.append(node.module)
+            else:
+                continue
+            for target in named:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def test_the_core_modules_import_in_one_direction() -> None:
+    # No import cycle through the builder, the planner, the fingerprint, the
+    # checkpoints, the replay filter, the epochs or the shuffle, counting imports
+    # inside functions (the package root, which imports everything, is the top).
+    graph = _runtime_import_graph()
+    watched = {f"zephon_torch.{name}" for name in (
+        "pipeline", "planner", "fingerprint", "checkpoint", "replay", "epochs", "types",
+        "ops.shuffle", "ops.shuffle_buffer", "state_checks")}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt == goal:
+                    return True
+                if nxt not in seen and nxt != "zephon_torch":
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    assert sorted(m for m in watched if reaches(m, m)) == []

@@ -1,4 +1,4 @@
-"""Checkpoints: states, their checks and merge, and the replay filter.
+"""Checkpoints: states, their checks and merge.
 
 **Progress** is kept by the iterator's books (``accounting.py``): per lane,
 the registered chunks, the epochs done (the ``flush_every_k_chunks``
@@ -16,14 +16,14 @@ checksum. It is plain JSON, and its size depends on the window, never on
 how far training got.
 
 **Resume.** Each lane replays its window from the epoch boundary (so every
-accumulator starts fresh exactly where it did live), then continues with
-new chunks. The :class:`ReplayFilter`, which the planner puts right before
-``batch``, drops the lane's replayed records until it has dropped the one
-equal to the replay cursor, and only then lets records through. Batching
-therefore rebuilds from an empty buffer at a point where, live, the buffer
-was empty too (the cursor is the last record of a delivered batch), so the
-continuation is exact. A worked example, batch size 3, sentinel at
-boundary ``B`` between ``o2`` and ``n1``::
+accumulator starts fresh exactly where it did live), then continues with new
+chunks. The :class:`~zephon_torch.replay.ReplayFilter`, which the planner
+puts right before ``batch``, drops the lane's replayed records until it has
+dropped the one equal to the replay cursor, and only then lets records
+through. Batching therefore rebuilds from an empty buffer at a point where,
+live, the buffer was empty too (the cursor is the last record of a delivered
+batch), so the continuation is exact. A worked example, batch size 3,
+sentinel at boundary ``B`` between ``o2`` and ``n1``::
 
     live:    [o0 o1 o2 | n1 n2 n3 ...]  -> batches [o0 o1 o2] [n1 n2 n3]   (cursor = o2)
     resume:  replay from the epoch of o2: o0 o1 o2 dropped, n1 n2 n3 -> [n1 n2 n3]
@@ -52,17 +52,18 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from zephon_torch.accounting import LaneProgress, ProgressTracker
-from zephon_torch.block import ID_CHUNK, Block
-from zephon_torch.ops.accumulators import Accumulator
-from zephon_torch.ops.base import OpContext, Operator, OpTraits
-from zephon_torch.ops.shuffle import BUFFER_SPLIT, lane_buffer_size
-from zephon_torch.sources.base import parse_content_table
+from zephon_torch.fingerprint import (
+    data_changes,
+    describe_difference,
+    digest,
+    fingerprint_parts,
+    is_detail,
+)
+from zephon_torch.ops.base import Operator, operator_class
+from zephon_torch.replay import ReplayFilter  # a public name here since it was defined here
 from zephon_torch.sources.schedule import ScheduleState
 from zephon_torch.state_checks import check_fields
-from zephon_torch.types import SampleBatch, SampleRecord
 
 __all__ = [
     "ACCEPT_CHANGED_DATA",
@@ -167,223 +168,7 @@ def key_from_json(value: Sequence[Any]) -> tuple:
             tuple(int(i) for i in sample_id))
 
 
-# ---------------------------------------------------------------------------- replay filter
-
-
-class ReplayFilterAccumulator(Accumulator):
-    """Drops each lane's replayed records up to its replay cursor.
-
-    Per lane: ``(cursor key, records expected to be dropped, last chunk id of
-    the window)``. Until the cursor is met, every record is dropped (and
-    reported through ``on_drop``, so progress counts it as delivered); a
-    record from beyond the window, or the end of the stream, while still
-    dropping means replay diverged.
-    """
-
-    takes_blocks = True
-
-    def __init__(self, targets: Mapping[int, tuple[tuple, int, int]],
-                 on_drop: Callable[[Any], None] | None) -> None:
-        self._targets = {lane: list(t) for lane, t in targets.items()}
-        self._dropped = dict.fromkeys(targets, 0)
-        self._on_drop = on_drop
-
-    def push_block(self, block: Block) -> list[Block]:
-        """Drop a replaying lane's rows up to and including its cursor; pass the rest."""
-        lane = block.lane
-        target = self._targets.get(lane)
-        if target is None or not len(block):
-            return [block] if len(block) else []
-        cursor, expected, window_end = target
-        hit = _find_key(block, cursor)
-        if hit is None:
-            late = np.flatnonzero(block.ids[:, ID_CHUNK] > window_end)
-            if len(late):
-                self._diverged(lane, f"a record of chunk {int(block.ids[late[0], ID_CHUNK])}, "
-                                     f"past the replayed window (last chunk {window_end}), "
-                                     "arrived first")
-            self._drop_rows(block)
-            return []
-        dropped, rest = block.split_at(hit + 1)
-        late = np.flatnonzero(dropped.ids[:hit, ID_CHUNK] > window_end)
-        if len(late):
-            self._diverged(lane, f"a record of chunk {int(dropped.ids[late[0], ID_CHUNK])}, "
-                                 f"past the replayed window (last chunk {window_end}), "
-                                 "arrived first")
-        self._drop_rows(dropped)
-        del self._targets[lane]
-        if self._dropped[lane] != expected:
-            self._diverged(lane, f"the cursor came after {self._dropped[lane]} "
-                                 f"records instead of {expected}")
-        return [rest] if len(rest) else []
-
-    def _drop_rows(self, block: Block) -> None:
-        self._dropped[block.lane] += len(block)
-        if self._on_drop is not None:
-            self._on_drop(block)
-
-    def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
-        if not self._targets:
-            return [list(elems)] if elems else []
-        out = []
-        for elem in elems:
-            records = elem.records if isinstance(elem, SampleBatch) else (elem,)
-            lane = records[0].meta.lane_id if records else -1
-            target = self._targets.get(lane)
-            if target is None:
-                out.append(elem)
-                continue
-            cursor, expected, window_end = target
-            last = records[-1].meta
-            if last.chunk_id > window_end and last.as_cursor_key() != cursor:
-                self._diverged(lane, f"a record of chunk {last.chunk_id}, past the replayed "
-                                     f"window (last chunk {window_end}), arrived first")
-            for record in records:
-                self._dropped[lane] += 1
-                if self._on_drop is not None:
-                    self._on_drop(record)
-            if last.as_cursor_key() == cursor:
-                del self._targets[lane]
-                if self._dropped[lane] != expected:
-                    self._diverged(lane, f"the cursor came after {self._dropped[lane]} "
-                                         f"records instead of {expected}")
-        return [out] if out else []
-
-    def _diverged(self, lane: int, why: str) -> None:
-        raise RuntimeError(
-            f"replay diverged on lane {lane}: {why}. The data or the code changed since the "
-            "checkpoint in a way the fingerprint does not cover, or the state was edited (its "
-            "'epoch', for one, which only the order of the replayed records can show); resume "
-            "from an earlier checkpoint or start this lane afresh"
-        )
-
-    def flush(self, *, reset: bool = False, lane_id: int | None = None) -> list[list[Any]]:
-        # Holds nothing, and its dropping state spans epochs: a flush is a no-op,
-        # except that the end of the stream must not come while still dropping.
-        if not reset and lane_id is None and self._targets:
-            lane = min(self._targets)
-            self._diverged(lane, "the stream ended before the replay cursor was met")
-        return []
-
-    def has_pending_data(self, lane_id: int | None = None) -> bool:
-        return False
-
-    def pending_lanes(self) -> set[int]:
-        """The lanes still dropping replayed records (their cursor not met yet)."""
-        return set(self._targets)
-
-
-def _find_key(block: Block, key: tuple) -> int | None:
-    """The row of ``block`` whose cursor key is ``key``, or None."""
-    chunk_id, offset, lineage, sample_id = key
-    ids = block.ids
-    match = ((ids[:, 3] == chunk_id) & (ids[:, 4] == offset) & (ids[:, 0] == sample_id[0])
-             & (ids[:, 1] == sample_id[1]) & (ids[:, 2] == sample_id[2]))
-    for row in np.flatnonzero(match).tolist():
-        if (block.lineage[row] if block.lineage is not None else ()) == tuple(lineage):
-            return row
-    return None
-
-
-class ReplayFilter(Operator):
-    """The planner's filter before ``batch``: a passthrough unless resuming."""
-
-    name = "replay_filter"
-
-    def __init__(self) -> None:
-        self.targets: dict[int, tuple[tuple, int, int]] = {}
-        self.on_drop: Callable[[SampleRecord], None] | None = None
-
-    def accumulator(self, *, deterministic: bool, ctx: OpContext) -> Accumulator:
-        return ReplayFilterAccumulator(self.targets, self.on_drop)
-
-    def process_many(self, elems: Sequence[Any]) -> list[Any]:
-        return list(elems)
-
-    def process_block(self, block: Block) -> Block:
-        return block
-
-    def traits(self) -> OpTraits:
-        return OpTraits(inline=True)
-
-    def config(self) -> dict[str, Any]:
-        return {"op": "replay_filter"}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"targets": {}, "on_drop": None}  # workers never run it
-
-
 # ---------------------------------------------------------------------------- states
-
-
-def fingerprint_parts(fingerprint: Mapping[str, Any],
-                      stage_names: Sequence[str] | None = None) -> dict[str, Any]:
-    """A short digest per part of a fingerprint (so a mismatch can say what differs).
-
-    Besides the digests, which decide whether two configurations match, each
-    operator's parameters are kept as *details* (``"ops[i].<param>"``: the
-    value's JSON text when short, else a digest; ``"ops[i].op"``: the class
-    path; ``"ops[i]#name"``: the stage name when ``stage_names`` is given), so
-    that a mismatch can name the operator and the parameter that changed.
-    Details are never compared: the digests decide. The ``data`` part is no
-    digest but the datasets' content tables (see :func:`_dataset_parts`), so
-    that a change can name the file.
-    """
-    parts = {}
-    for key, value in fingerprint.items():
-        if key == "ops":
-            for i, op in enumerate(value):
-                parts[f"ops[{i}]"] = _digest(op)
-                if isinstance(op, Mapping):
-                    for param, setting in op.items():
-                        # The class path stays whole: it names the operator in messages.
-                        parts[f"ops[{i}].{param}"] = (str(setting) if param == "op"
-                                                      else _shown(setting))
-                if stage_names is not None and i < len(stage_names):
-                    parts[f"ops[{i}]#name"] = str(stage_names[i])
-            parts["ops.count"] = str(len(value))
-        elif key == "datasets":
-            parts.update(_dataset_parts(value))
-        else:
-            parts[key] = _digest(value)
-    return parts
-
-
-def _dataset_parts(datasets: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The ``datasets`` and ``data`` parts of a fingerprint (see the module doc).
-
-    ``datasets`` digests everything but the content tables, exactly as it did
-    before they existed, so older states still match; ``data`` keeps each
-    dataset's options digest and content table as they are, so that a
-    mismatch can name the shard.
-    """
-    structure = [{k: v for k, v in d.items() if k != "content"} for d in datasets]
-    data = [{"options": _digest({k: v for k, v in d.items() if k not in ("shards", "content")}),
-             "shards": d.get("content")} for d in datasets]
-    return {"datasets": _digest(structure), "data": data}
-
-
-def _digest(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-#: Parameter values longer than this (as JSON) are kept as a digest in a state.
-_SHOWN_LENGTH = 40
-_DIGEST_MARK = "sha256:"
-
-
-def _shown(value: Any) -> str:
-    """A parameter's value as a state keeps it: its JSON text, or a digest if long."""
-    text = json.dumps(value, sort_keys=True, default=str)
-    if len(text) <= _SHOWN_LENGTH:
-        return text
-    return _DIGEST_MARK + hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _is_detail(key: str) -> bool:
-    """Whether a fingerprint part is an operator detail (kept for messages, never compared)."""
-    return key.startswith("ops[") and not key.endswith("]")
 
 
 def _lane_key_problem(lanes: Mapping[Any, Any]) -> str | None:
@@ -469,7 +254,7 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
                          "loaded")
     differ = differing_parts(mine, theirs, fingerprint)
     if differ:
-        meaning = _shuffle_meaning_change(differ, mine, theirs, state["num_lanes"])
+        meaning = _earlier_state_refusal(differ, mine, theirs, fingerprint, state["num_lanes"])
         if meaning:
             raise ValueError(meaning)
         raise ValueError(
@@ -478,7 +263,7 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
             "sources, operators, num_lanes, chunk_size, seed and flush_every_k_chunks"
         )
     if "data" in theirs and state.get(ACCEPT_CHANGED_DATA) is not True:
-        changed = _data_changes(mine.get("data"), theirs["data"], fingerprint)
+        changed = data_changes(mine.get("data"), theirs["data"], fingerprint)
         if changed:
             raise ValueError(changed)
     # Every field, as untrusted input: keys, types, ranges (the schedule is checked at load).
@@ -486,37 +271,64 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
     return dict(state)
 
 
-#: Where the two sides of a difference come from, by default: a state and this pipeline.
-_STATE_SIDES = ("in the state", "now")
-
-
 def differing_parts(mine: Mapping[str, Any], theirs: Mapping[str, Any],
                     fingerprint: Mapping[str, Any] | None = None) -> list[str]:
     """The parts (:func:`fingerprint_parts`) in which two configurations differ, sorted.
 
     Operator details and the ``data`` part (content tables) are left out:
-    the digests decide. Given this pipeline's ``fingerprint``, a shuffle
-    saved before its buffer was split over the lanes counts as the same when
-    this pipeline's shuffle gives each lane the buffer it had then.
+    the digests decide. Given this pipeline's ``fingerprint``, an operator
+    saved in an earlier form counts as the same when the operator says this
+    pipeline's gives the output that form gave
+    (:meth:`~zephon_torch.ops.base.Operator.earlier_config`: a shuffle saved
+    before its buffer was split over the lanes, when this pipeline's shuffle
+    gives each lane the buffer it had then).
     """
     differ = sorted(k for k in set(mine) | set(theirs)
-                    if k != "data" and not _is_detail(k) and mine.get(k) != theirs.get(k))
+                    if k != "data" and not is_detail(k) and mine.get(k) != theirs.get(k))
     if fingerprint is None:
         return differ
-    return [k for k in differ if not _same_as_unsplit_shuffle(k, fingerprint, theirs)]
+    return [k for k in differ if not _same_as_earlier_form(k, fingerprint, theirs)]
 
 
-def describe_difference(differ: Sequence[str], mine: Mapping[str, Any],
-                        theirs: Mapping[str, Any], fingerprint: Mapping[str, Any], *,
-                        sides: tuple[str, str] = _STATE_SIDES) -> str:
-    """``differ`` (:func:`differing_parts`) in words: which operator and parameter
-    (``theirs -> mine``), which datasets and shards (named from ``fingerprint``,
-    ``mine``'s); ``sides`` names where ``theirs`` and ``mine`` come from."""
-    named = [_describe_ops_part(k, mine, theirs) if k.startswith("ops") else k
-             for k in differ]
-    detail = (_datasets_detail(mine.get("data"), theirs.get("data"), fingerprint, sides)
-              if "datasets" in differ else "")
-    return f"{', '.join(named)} differ(s){detail}"
+def _same_as_earlier_form(key: str, fingerprint: Mapping[str, Any],
+                          theirs: Mapping[str, Any]) -> bool:
+    """Whether differing part ``key`` is an operator the state saved in an earlier form
+    whose output this pipeline's operator gives (its class decides, see
+    :meth:`~zephon_torch.ops.base.Operator.earlier_config`)."""
+    index = key[len("ops["):-1]
+    if not (key.startswith("ops[") and key.endswith("]") and index.isdigit()):
+        return False
+    ops = fingerprint.get("ops") or []
+    num_lanes = fingerprint.get("num_lanes")
+    if int(index) >= len(ops) or not isinstance(ops[int(index)], Mapping) \
+            or not isinstance(num_lanes, int):
+        return False
+    config = ops[int(index)]
+    kind = operator_class(config.get("op"))
+    if kind is None:
+        return False
+    prefix = f"{key}."
+    saved = {k[len(prefix):]: v for k, v in theirs.items() if k.startswith(prefix)}
+    earlier = kind.earlier_config(config, saved, num_lanes=num_lanes)
+    return earlier is not None and digest(earlier) == theirs.get(key)
+
+
+def _earlier_state_refusal(differ: Sequence[str], mine: Mapping[str, Any],
+                           theirs: Mapping[str, Any], fingerprint: Mapping[str, Any],
+                           num_lanes: int) -> str | None:
+    """The refusal an operator class of this pipeline words for a state saved by an
+    earlier form of it (:meth:`~zephon_torch.ops.base.Operator.refuse_earlier_state`),
+    or None: the generic refusal applies."""
+    kinds: dict[type[Operator], None] = {}
+    for config in fingerprint.get("ops") or []:
+        kind = operator_class(config.get("op")) if isinstance(config, Mapping) else None
+        if kind is not None:
+            kinds[kind] = None
+    for kind in kinds:
+        refusal = kind.refuse_earlier_state(differ, mine, theirs, num_lanes=num_lanes)
+        if refusal:
+            return refusal
+    return None
 
 
 def _check_mode(state: Mapping[str, Any], where: str = "") -> None:
@@ -532,248 +344,6 @@ def _check_mode(state: Mapping[str, Any], where: str = "") -> None:
         "cannot be replayed exactly (results went out in completion order), so it cannot be "
         "resumed: it records the mode, not a position. Start afresh, or resume from a "
         "checkpoint saved with deterministic=True"
-    )
-
-
-def _describe_ops_part(key: str, mine: Mapping[str, str], theirs: Mapping[str, Any]) -> str:
-    """A differing operators part, named: which operator, and which parameters changed how.
-
-    ``mine`` holds this pipeline's parts, ``theirs`` the state's; values read
-    ``state's -> this pipeline's``.
-    """
-    if key == "ops.count":
-        return f"ops.count ({theirs.get(key)} operators -> {mine.get(key)})"
-    index = key[len("ops["):-1]
-    if key != f"ops[{index}]" or not index.isdigit():
-        return key
-    prefix = f"{key}."
-    here = {k[len(prefix):]: v for k, v in mine.items() if k.startswith(prefix)}
-    there = {k[len(prefix):]: str(v) for k, v in theirs.items() if k.startswith(prefix)}
-    if key not in theirs:
-        return f"{key} {_op_label(key, mine)} (not in the state's pipeline)"
-    if key not in mine:
-        label = _op_label(key, theirs)
-        return f"{key} (only in the state's pipeline{': ' + label if label else ''})"
-    label = _op_label(key, mine)
-    if not there:  # a state saved before operators' details were kept
-        return f"{key} {label} (its parameters)"
-    if there.get("op") != here.get("op"):
-        return f"{key} {label} (the operator was {_op_label(key, theirs)})"
-    changes = _param_changes(here, there, skip={"op"})
-    return f"{key} {label} ({', '.join(changes) or 'its parameters'})"
-
-
-def _param_changes(here: Mapping[str, Any], there: Mapping[str, str], *,
-                   skip: set[str]) -> list[str]:
-    """An operator's changed parameters, ``state's -> this pipeline's``, but those in ``skip``."""
-    changes = []
-    for param in sorted((set(here) | set(there)) - skip):
-        old, new = there.get(param), here.get(param)
-        if old == new:
-            continue
-        if old is None or new is None:
-            changes.append(f"{param} {'added' if old is None else 'removed'}")
-        elif old.startswith(_DIGEST_MARK) or new.startswith(_DIGEST_MARK):
-            changes.append(f"{param} changed")
-        else:
-            changes.append(f"{param} {old} -> {new}")
-    return changes
-
-
-def _same_as_unsplit_shuffle(key: str, fingerprint: Mapping[str, Any],
-                             theirs: Mapping[str, Any]) -> bool:
-    """Whether differing part ``key`` is a shuffle saved unsplit that this one equals.
-
-    A state saved while a shuffle's ``buffer_size`` was each lane's buffer
-    has no ``buffer_split`` in that operator's config. This pipeline's
-    shuffle gives the same order exactly when it has the same parameters and
-    its lanes' share (:func:`~zephon_torch.ops.shuffle.lane_buffer_size`)
-    is the old ``buffer_size``: then the old config, rebuilt from this one,
-    has the state's digest.
-    """
-    index = key[len("ops["):-1]
-    if not (key.startswith("ops[") and key.endswith("]") and index.isdigit()):
-        return False
-    ops = fingerprint.get("ops") or []
-    if int(index) >= len(ops) or f"{key}.buffer_split" in theirs:
-        return False
-    config = dict(ops[int(index)])
-    if config.get("buffer_split") != BUFFER_SPLIT:
-        return False
-    try:
-        share = lane_buffer_size(config["buffer_size"], fingerprint["num_lanes"])
-    except (KeyError, TypeError, ValueError):
-        return False
-    del config["buffer_split"]
-    config["buffer_size"] = share
-    return _digest(config) == theirs.get(key)
-
-
-def _shuffle_meaning_change(differ: Sequence[str], mine: Mapping[str, Any],
-                            theirs: Mapping[str, Any], num_lanes: int) -> str | None:
-    """The refusal of a state saved while a shuffle's ``buffer_size`` was each lane's.
-
-    Such a state's shuffle has no ``buffer_split`` entry
-    (:data:`~zephon_torch.ops.shuffle.BUFFER_SPLIT`) in its config. The
-    generic message would tell the user to resume with the same operators,
-    which they did; this one says what changed and what to do. None when no
-    differing shuffle of the state predates the split.
-    """
-    old = [key for key in differ
-           if key.startswith("ops[") and key.endswith("]") and key in theirs
-           and f"{key}.buffer_split" in mine and f"{key}.buffer_split" not in theirs
-           and f"{key}.buffer_size" in theirs
-           and theirs.get(f"{key}.op") == mine.get(f"{key}.op")]
-    if not old:
-        return None
-    shown = []
-    for key in old:
-        size = str(theirs[f"{key}.buffer_size"])
-        prefix = f"{key}."
-        here = {k[len(prefix):]: v for k, v in mine.items() if k.startswith(prefix)}
-        there = {k[len(prefix):]: str(v) for k, v in theirs.items() if k.startswith(prefix)}
-        # Any other parameter that changed too must be named, or the advice misleads.
-        changed = _param_changes(here, there, skip={"op", "buffer_size", "buffer_split"})
-        shown.append(f"{key} {_op_label(key, mine)} held buffer_size={size} rows in each of the "
-                     f"{num_lanes} lanes" + (f", which is shuffle(buffer_size="
-                                             f"{int(size) * num_lanes}) now" if size.isdigit()
-                                             else "")
-                     + (f"; also {', '.join(changed)}" if changed else ""))
-    others = [_describe_ops_part(k, mine, theirs) if k.startswith("ops") else k
-              for k in differ if k not in old]
-    also = f" The configuration also differs: {', '.join(others)}." if others else ""
-    return (
-        f"the state was saved by a zephon_torch from before shuffle's buffer_size became the "
-        f"pipeline's whole buffer, shared by the lanes ({'; '.join(shown)}); this pipeline "
-        f"shuffles in another order, so the state cannot resume it and nothing was loaded."
-        f"{also} To resume the state exactly, build the shuffle with that buffer_size (the "
-        "same rows per lane as then) and keep it for the rest of the run; else finish the run "
-        "with the version that saved the state, or start afresh without it (see 'From an "
-        "earlier zephon_torch: the shuffle buffer' in docs/migration.md)"
-    )
-
-
-def _op_label(key: str, parts: Mapping[str, Any]) -> str:
-    """Operator ``key``'s name (``"ops[i]"``) from parts: the stage name, else the class name."""
-    name = parts.get(f"{key}#name")
-    if name:
-        return str(name)
-    return str(parts.get(f"{key}.op", "")).rsplit(".", 1)[-1]
-
-
-def _dataset_tables(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]
-                    ) -> list[tuple[str, list[str], Any, Any]] | None:
-    """Per dataset: (label, current shard names, current entries, saved entries).
-
-    Entries are None where a dataset has no content table. None overall when
-    the state has no usable ``data`` part (an older state).
-
-    Raises:
-        ValueError: The state's ``data`` part is malformed.
-    """
-    if not isinstance(theirs, list) or not isinstance(mine, list):
-        return None
-    described = fingerprint.get("datasets") or []
-    out = []
-    for i, (now, then) in enumerate(zip(mine, theirs)):
-        if not (isinstance(then, Mapping) and isinstance(then.get("options"), str)
-                and isinstance(then.get("shards"), (str, type(None)))):
-            raise ValueError(f"corrupted state: its fingerprint's 'data' entry {i} is "
-                             "malformed; nothing was loaded (resume from another checkpoint)")
-        info = described[i] if i < len(described) else {}
-        label = f"dataset {info.get('name', '?')!r} (datasets[{i}])"
-        names = [str(s[0]) for s in info.get("shards", [])]
-        try:
-            entries = (None if now["shards"] is None else parse_content_table(now["shards"]),
-                       None if then["shards"] is None else parse_content_table(then["shards"]))
-        except ValueError:
-            raise ValueError(f"corrupted state: the content table of {label} is malformed; "
-                             "nothing was loaded (resume from another checkpoint)") from None
-        out.append((label, names, *entries))
-    return out
-
-
-def _datasets_detail(mine: Any, theirs: Any, fingerprint: Mapping[str, Any],
-                     sides: tuple[str, str] = _STATE_SIDES) -> str:
-    """What differs in the datasets' structure, naming datasets and shards ("" if unknown)."""
-    tables = _dataset_tables(mine, theirs, fingerprint)
-    if tables is None:
-        return ""
-    notes = []
-    if len(mine) != len(theirs):
-        notes.append(f"the state has {len(theirs)} dataset(s), this pipeline {len(mine)}")
-    for (label, names, now, then), m, t in zip(tables, mine, theirs):
-        what = []
-        if m["options"] != t["options"]:
-            what.append("its options differ (kind, name, component_id, passes, columns or "
-                        "field)")
-        if now is not None and then is not None:
-            what.extend(_shard_differences(names, now, then, sides))
-        if what:
-            notes.append(f"{label}: {'; '.join(what)}")
-    return f" ({'; '.join(notes)})" if notes else ""
-
-
-def _shard_differences(names: list[str], now: list[Any], then: list[Any],
-                       sides: tuple[str, str] = _STATE_SIDES) -> list[str]:
-    """How two content tables differ in shard names and sample counts (``sides``:
-    where ``then`` and ``now`` come from, as :data:`_STATE_SIDES`)."""
-    old, new_side = sides
-    ours = sides == _STATE_SIDES  # a state against this pipeline: the words of old
-    if [(e.name_tag, e.samples) for e in now] == [(e.name_tag, e.samples) for e in then]:
-        return []
-    named = [names[k] if k < len(names) else f"shard {k}" for k in range(len(now))]
-    saved = {e.name_tag: e for e in then}
-    current = {e.name_tag for e in now}
-    what = []
-    if len(now) != len(then):
-        what.append(f"{len(then)} shard(s) {old}, {len(now)} {new_side}")
-    new = [repr(named[k]) for k, e in enumerate(now) if e.name_tag not in saved]
-    if new:
-        what.append(f"{'new' if ours else 'only ' + new_side}: {', '.join(new[:3])}"
-                    f"{' ...' if len(new) > 3 else ''}")
-    gone = sum(1 for e in then if e.name_tag not in current)
-    if gone:
-        what.append(f"{gone} shard(s) of the state are gone (renamed or removed)" if ours
-                    else f"{gone} shard(s) only {old}")
-    counts = [f"{named[k]!r} has {e.samples} samples{'' if ours else ' ' + new_side}, "
-              f"{saved[e.name_tag].samples} {old}"
-              for k, e in enumerate(now)
-              if e.name_tag in saved and saved[e.name_tag].samples != e.samples]
-    what.extend(counts[:3])
-    if len(counts) > 3:
-        what.append(f"and {len(counts) - 3} more shard(s) with other sample counts")
-    if not what:
-        what.append("its shards are in another order")
-    return what
-
-
-def _data_changes(mine: Any, theirs: Any, fingerprint: Mapping[str, Any]) -> str | None:
-    """The "data changed" message when a shard's size or content differs, else None."""
-    tables = _dataset_tables(mine, theirs, fingerprint)
-    changes = []
-    for label, names, now, then in tables or ():
-        if now is None or then is None:
-            continue
-        for k, (a, b) in enumerate(zip(now, then)):
-            if a.size is not None and b.size is not None and a.size != b.size:
-                what = f"{b.size} bytes then, {a.size} now"
-            elif a.digest is not None and b.digest is not None and a.digest != b.digest:
-                what = (f"same size ({a.size} bytes) and {a.samples} samples, other content "
-                        "(its first or last bytes, or where its lines start, changed)")
-            else:
-                continue
-            name = names[k] if k < len(names) else f"shard {k}"
-            changes.append(f"{label} shard {k} {name!r}: {what}")
-    if not changes:
-        return None
-    more = f"; and {len(changes) - 3} more shard(s)" if len(changes) > 3 else ""
-    return (
-        f"the data changed since the state was saved: {'; '.join(changes[:3])}{more}. The "
-        "files were rewritten in place (same names and sample counts); resuming on them would "
-        "deliver some documents twice and never deliver others. Restore the files the state "
-        "was saved with, or, to resume on the changed data anyway, accepting those duplicates "
-        "and omissions, load zephon_torch.checkpoint.accept_changed_data(state) instead"
     )
 
 

@@ -112,13 +112,12 @@ def epoch_pipeline(pipeline: Pipeline, epoch: int) -> Pipeline:
     does), and states carry the original's fingerprint and the epoch. Epoch 0
     returns ``pipeline`` itself.
     """
-    from zephon_torch.pipeline import Pipeline
-
     epoch = check_epoch(epoch)
     if epoch == 0:
         return pipeline
     source = pipeline.with_source(seed=epoch_seed(pipeline.source.seed, epoch)).source
-    return Pipeline(source, tuple(op.for_epoch(epoch) for op in pipeline.ops))
+    # The pipeline's own class: this module sits below the builder and never imports it.
+    return type(pipeline)(source, tuple(op.for_epoch(epoch) for op in pipeline.ops))
 
 
 def state_epoch(state: Mapping[str, Any]) -> int:

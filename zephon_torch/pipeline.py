@@ -1,4 +1,4 @@
-"""The pipeline builder and the planner.
+"""The pipeline builder.
 
 A :class:`Pipeline` is an immutable description: a source configuration and
 a chain of operators. Every builder method returns a new pipeline, so a
@@ -16,55 +16,66 @@ pipeline can be shared, extended in two directions, and pickled::
     for batch in pipe.iter(runner="process", num_workers=4):
         ...
 
-:meth:`Pipeline.compile` is the planner: it names the stages (the method
-name, suffixed ``_1``, ``_2`` ... when it repeats), inserts the replay filter
-right before ``batch`` (or at the end), checks the chain (a pointer record
-may only meet ``fetch``), fixes each stage's micro-batch size (the operator's
-default unless ``microbatch_sizes`` overrides it; sizes that define the
-output are parameters, not knobs), and decides the flush-sentinel period:
-``flush_every_k_chunks=None`` means 8 when an operator does not preserve
-cursor order (packing, shuffle, mixture) and 0 (no sentinels) otherwise.
+:meth:`Pipeline.compile` is the planner (``zephon_torch/planner.py``): it
+names the stages, inserts the replay filter right before ``batch`` (or at the
+end), checks the chain and fixes each stage's micro-batch size;
+:meth:`Pipeline.flush_every` decides the flush-sentinel period.
+:meth:`Pipeline.fingerprint` (``zephon_torch/fingerprint.py``) is the
+configuration that defines the output, which checkpoints compare.
 """
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from zephon_torch import length
+from zephon_torch.fingerprint import fingerprint_digest, pipeline_fingerprint
 from zephon_torch.ops.base import Operator
 from zephon_torch.ops.batch import Batch
 from zephon_torch.ops.chat_templates import ChatTemplate
 from zephon_torch.ops.io import DecodeText, Fetch, OnError
 from zephon_torch.ops.mixture import EnsureMixture, WeightBy
 from zephon_torch.ops.packing import PackFlat, PackSequences
+from zephon_torch.ops.placement import with_placement
 from zephon_torch.ops.shuffle import Shuffle
 from zephon_torch.ops.tokenize import Tokenize
 from zephon_torch.ops.tokenize_chat import TokenizeChat
 from zephon_torch.ops.transform import Filter, MapTransform
+from zephon_torch.planner import CompiledStage, compile_plan, flush_every, stage_names
 from zephon_torch.sources import datasets as _datasets
 from zephon_torch.sources.base import Dataset
 from zephon_torch.sources.formats.registry import format_named
 from zephon_torch.sources.mixing import check_weights
 from zephon_torch.sources.options import SourceOptions, document_source_options
-from zephon_torch.sources.schedule import block_layout
 from zephon_torch.topology import worker_lanes
 
 if TYPE_CHECKING:
+    from torch.utils.data import IterableDataset
+
     from zephon_torch.runners.iterator import PipelineIterator
-    from zephon_torch.torch.dataset import TorchIterableDataset
 
 __all__ = ["CompiledStage", "Pipeline", "SourceConfig"]
 
-_DEFAULT_FLUSH_EVERY = 8
-# Stages whose size defines the output: naming them in microbatch_sizes is an error.
-_OUTPUT_DEFINING = frozenset({"batch", "shuffle", "ensure_mixture", "replay_filter"})
+#: Makes :meth:`Pipeline.to_torch_dataset`'s wrapper,
+#: ``zephon_torch.torch.dataset.TorchIterableDataset(pipeline, **iter_kwargs)``. The torch
+#: integration imports this module, never the reverse: the package root installs it
+#: (:func:`install_torch_dataset`, in ``zephon_torch/__init__.py``), importing the
+#: integration (and torch) at the first call.
+_torch_dataset: Callable[..., IterableDataset] | None = None
 
+
+def install_torch_dataset(make: Callable[..., IterableDataset]) -> None:
+    """Make ``make(pipeline, **iter_kwargs)`` what :meth:`Pipeline.to_torch_dataset` returns.
+
+    The package root calls it once; nothing else needs to.
+    """
+    global _torch_dataset
+    _torch_dataset = make
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SourceConfig(SourceOptions):
@@ -136,57 +147,8 @@ _POSITIVE_HINTS = {
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         hint = _POSITIVE_HINTS.get(name)
-        if hint is None and name.startswith("microbatch_sizes"):
-            hint = ("it is how many records one task of that stage holds; omit the stage to "
-                    "use the operator's default")
         raise ValueError(f"{name} must be a positive integer, got {value!r}"
                          + (f"; {hint}" if hint else ""))
-
-
-@dataclass(frozen=True, slots=True)
-class CompiledStage:
-    """A stage of a compiled plan."""
-
-    name: str
-    op: Operator
-    microbatch_size: int | None
-    local: bool
-
-
-def _fuse(stages: list[CompiledStage]) -> list[CompiledStage]:
-    """Merge runs of consecutive elementwise stages into fused stages.
-
-    Stages join a run when both are elementwise, neither runs inline and
-    they share a placement (remote stages: the same ``Remote`` options). A
-    fused stage takes the largest micro-batch size overridden for any of its
-    parts (else the largest default of its parts).
-    Fusing changes where micro-batches are cut, which elementwise operators
-    do not see, so no output changes (see ``ops/fused.py``).
-    """
-    from zephon_torch.ops.fused import FusedOperator
-    from zephon_torch.ops.placement import placement_options
-
-    def joins(prev: CompiledStage, nxt: CompiledStage) -> bool:
-        a, b = prev.op.traits(), nxt.op.traits()
-        return (a.elementwise and b.elementwise and not prev.local and not nxt.local
-                and placement_options(prev.op) == placement_options(nxt.op))
-
-    runs: list[list[CompiledStage]] = []
-    for stage in stages:
-        if runs and joins(runs[-1][-1], stage):
-            runs[-1].append(stage)
-        else:
-            runs.append([stage])
-    out = []
-    for run in runs:
-        if len(run) == 1:
-            out.append(run[0])
-            continue
-        fused = FusedOperator([(c.name, c.op) for c in run])
-        sizes = [c.microbatch_size for c in run if c.microbatch_size is not None]
-        out.append(CompiledStage("+".join(c.name for c in run), fused,
-                                 max(sizes) if sizes else None, False))
-    return out
 
 
 class Pipeline:
@@ -493,8 +455,6 @@ class Pipeline:
                 "function with map_transform() instead"
             )
         if placement is not None:
-            from zephon_torch.ops.placement import with_placement
-
             op = with_placement(op, placement)
         return Pipeline(self._source, (*self._ops, op))
 
@@ -913,103 +873,23 @@ class Pipeline:
 
     def flush_every(self) -> int:
         """The effective flush-sentinel period (0: no sentinels)."""
-        configured = self._source.flush_every_k_chunks
-        reorders = [op.name for op in self._ops if not op.traits().preserves_cursor_order]
-        if configured == 0 and reorders:
-            raise ValueError(
-                f"flush_every_k_chunks=0 (no flush sentinels) needs an order-preserving plan, "
-                f"but {reorders} reorder(s) records: their state would span the whole run and "
-                "no checkpoint could resume it; leave flush_every_k_chunks=None (8) or set a "
-                "positive period"
-            )
-        if configured is not None:
-            return configured
-        return _DEFAULT_FLUSH_EVERY if reorders else 0
+        return flush_every(self._source, self._ops)
 
     def stage_names(self) -> list[str]:
         """The names of the user's stages (method names, suffixed when repeated)."""
-        stems = [op.name for op in self._ops]
-        totals: dict[str, int] = {}
-        for stem in stems:
-            totals[stem] = totals.get(stem, 0) + 1
-        seen: dict[str, int] = {}
-        names = []
-        for stem in stems:
-            if totals[stem] > 1:
-                seen[stem] = seen.get(stem, 0) + 1
-                names.append(f"{stem}_{seen[stem]}")
-            else:
-                names.append(stem)
-        return names
+        return stage_names(self._ops)
 
     def compile(self, microbatch_sizes: Mapping[str, int] | None = None) -> list[CompiledStage]:
         """The planner: validated stages with the replay filter in place."""
-        from zephon_torch.checkpoint import ReplayFilter
-
-        self._validate_chain()
-        names = self.stage_names()
-        overrides = dict(microbatch_sizes or {})
-        for name, size in overrides.items():
-            if name not in names:
-                raise ValueError(
-                    f"microbatch_sizes names {name!r}, which is not a stage of this pipeline "
-                    f"(stages: {names})"
-                )
-            op = self._ops[names.index(name)]
-            if op.name in _OUTPUT_DEFINING:
-                raise ValueError(
-                    f"microbatch_sizes[{name!r}]: the size of {op.name!r} defines the output, "
-                    f"so it is a parameter of .{op.name}(), not a performance knob"
-                )
-            _positive_int(f"microbatch_sizes[{name!r}]", size)
-        stages = _fuse([
-            CompiledStage(name, op, overrides.get(name), op.traits().inline)
-            for name, op in zip(names, self._ops)
-        ])
-        cut = next((i for i, c in enumerate(stages) if c.op.traits().produces_batches),
-                   len(stages))
-        replay = ReplayFilter()
-        stages.insert(cut, CompiledStage("replay_filter", replay, None, True))
-        return stages
-
-    def _validate_chain(self) -> None:
-        shards = [s for d in self._source.datasets for s in d.shards()]
-        emits_pointers = any(s.access == "pointer" for s in shards)
-        if not emits_pointers:
-            return
-        names = self.stage_names()
-        if not self._ops or not self._ops[0].traits().accepts_pointers:
-            where = f"before .{names[0]}()" if names else "to the pipeline"
-            raise ValueError(
-                f"this source emits pointer records (the bytes are still on disk): add "
-                f".fetch() {where}, usually followed by .decode_text()"
-            )
+        return compile_plan(self._source, self._ops, microbatch_sizes)
 
     def fingerprint(self) -> dict[str, Any]:
         """The configuration that defines the output, as JSON-able builtins."""
-        src = self._source
-        fingerprint = {
-            "datasets": [d.describe() for d in src.datasets],
-            "weights": None if src.weights is None else list(src.weights),
-            "num_lanes": src.num_lanes,
-            "chunk_size": src.chunk_size,
-            "seed": src.seed,
-            "flush_every_k_chunks": self.flush_every(),
-            "passes": src.passes,
-            "shuffle": src.shuffle,
-            "exhausted": src.exhausted,
-            "ops": [op.config() for op in self._ops],
-        }
-        if src.shuffle:  # a shuffled pass follows the shards' read blocks
-            layout = block_layout(src.datasets)
-            if layout:  # only shards of several blocks: the others keep their order
-                fingerprint["blocks"] = layout
-        return fingerprint
+        return pipeline_fingerprint(self._source, self._ops, self.flush_every())
 
     def fingerprint_digest(self) -> str:
         """A short hash of :meth:`fingerprint`."""
-        text = json.dumps(self.fingerprint(), sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return fingerprint_digest(self.fingerprint())
 
     # ------------------------------------------------------------------ running
 
@@ -1091,9 +971,7 @@ class Pipeline:
         items); see ``zephon_torch.length``. :meth:`num_batches_reason` says
         why a count is ``None``. The same in every epoch.
         """
-        from zephon_torch.length import num_batches
-
-        return num_batches(self, rank=rank, world_size=world_size, lanes=lanes)
+        return length.num_batches(self, rank=rank, world_size=world_size, lanes=lanes)
 
     def num_batches_reason(self) -> str | None:
         """Why :meth:`num_batches` is ``None``: every cause, in chain order (None: it is known).
@@ -1103,18 +981,17 @@ class Pipeline:
             >>> pipe.num_batches_reason()
             'map_transform may drop, merge or hold back records'
         """
-        from zephon_torch.length import unknown_reason
+        return length.unknown_reason(self)
 
-        return unknown_reason(self)
-
-    def to_torch_dataset(self, **iter_kwargs: Any) -> TorchIterableDataset:
+    def to_torch_dataset(self, **iter_kwargs: Any) -> IterableDataset:
         """This pipeline as a torch ``IterableDataset`` with ``state_dict``/``load_state_dict``.
 
         See :class:`zephon_torch.torch.dataset.TorchIterableDataset` (imports torch).
         """
-        from zephon_torch.torch.dataset import TorchIterableDataset
-
-        return TorchIterableDataset(self, **iter_kwargs)
+        if _torch_dataset is None:  # only while zephon_torch/__init__.py is being imported
+            raise RuntimeError("Pipeline.to_torch_dataset needs the zephon_torch package "
+                               "imported first (import zephon_torch)")
+        return _torch_dataset(self, **iter_kwargs)
 
     def __iter__(self) -> Iterator[Any]:
         # Inside a torch DataLoader worker, take this worker's share of the lanes

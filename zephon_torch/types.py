@@ -28,7 +28,7 @@ as they are and must not be mutated afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Union
@@ -545,6 +545,23 @@ def metas_from_columns(
     return out  # type: ignore[return-value]
 
 
+#: What :meth:`SampleBatch.to_training` runs: ``zephon_torch._training``'s
+#: ``batch_to_training``. The conversion stands above the data model (it reaches the
+#: packing kernel's switch in ``ops``), so this module never imports it: the package
+#: root installs it (:func:`install_training_converter`, in ``zephon_torch/__init__.py``),
+#: which every import of a ``zephon_torch`` module runs first.
+_training_converter: Callable[..., dict[str, Any]] | None = None
+
+
+def install_training_converter(convert: Callable[..., dict[str, Any]]) -> None:
+    """Make ``convert(rows, **options)`` the function behind :meth:`SampleBatch.to_training`.
+
+    The package root calls it once, with ``zephon_torch._training.batch_to_training``.
+    """
+    global _training_converter
+    _training_converter = convert
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class SampleBatch:
     """A batch of :class:`SampleRecord` of one lane, in stream order.
@@ -718,9 +735,11 @@ class SampleBatch:
         Warns:
             UserWarning: ``eos_token_id`` given with ``eos_mask_loss=False``.
         """
-        from zephon_torch._training import batch_to_training
-
-        return batch_to_training(
+        convert = _training_converter
+        if convert is None:  # only while zephon_torch/__init__.py itself is being imported
+            raise RuntimeError("SampleBatch.to_training needs the zephon_torch package "
+                               "imported first (import zephon_torch)")
+        return convert(
             self._training_rows(),
             tokens_field=tokens_field,
             return_labels=return_labels,

@@ -25,6 +25,7 @@ accumulator groups elements into micro-batches of ``microbatch_size``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, count
@@ -49,6 +50,7 @@ __all__ = [
     "check_elements",
     "live_records",
     "live_rows",
+    "operator_class",
     "tombstone",
 ]
 
@@ -198,6 +200,68 @@ class Operator:
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "op")
         return f"{type(self).__name__}({params})"
+
+    # Saved states of an earlier form. A checkpoint names each operator by the digest
+    # of its config(); when an operator's config changes form (a new entry recording
+    # what a parameter means, say), states saved before no longer match. These hooks
+    # let the operator itself, never the checkpoint module, say which of those states
+    # still resume (the same output) and how to refuse the others.
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Under the name its configs write (a moved class keeps its earlier one).
+        _CLASSES[cls.__dict__.get("_config_name")
+                 or f"{cls.__module__}.{cls.__qualname__}"] = cls
+
+    @classmethod
+    def earlier_config(cls, config: Mapping[str, Any], saved: Mapping[str, str], *,
+                       num_lanes: int) -> dict[str, Any] | None:
+        """The config an earlier form of this operator wrote for the output ``config`` gives.
+
+        Asked when a state's digest of this operator differs from this
+        pipeline's. A state whose digest is that of the returned config
+        resumes as if it matched.
+
+        Args:
+            config: This pipeline's ``config()`` of the operator.
+            saved: The state's details of the operator: its parameters as
+                :func:`~zephon_torch.fingerprint.fingerprint_parts` keeps them
+                (JSON text, or a digest when long), by name.
+            num_lanes: The source's number of lanes.
+
+        Returns:
+            The earlier config, or ``None`` (the default): ``saved`` comes from
+            no earlier form that gave this output.
+        """
+        return None
+
+    @classmethod
+    def refuse_earlier_state(cls, differ: Sequence[str], mine: Mapping[str, Any],
+                             theirs: Mapping[str, Any], *, num_lanes: int) -> str | None:
+        """Why a state saved by an earlier form of this operator cannot resume, or ``None``.
+
+        Asked, for each operator class of this pipeline, when a state's
+        fingerprint differs; the first message is the refusal, in place of
+        the generic one (which would tell the user to resume with the same
+        operators, which they may have done).
+
+        Args:
+            differ: The differing parts
+                (:func:`~zephon_torch.checkpoint.differing_parts`).
+            mine: This pipeline's fingerprint parts.
+            theirs: The state's fingerprint parts.
+            num_lanes: The state's number of lanes.
+        """
+        return None
+
+
+#: Every operator class, by the path its ``config()`` names it with (``"op"``).
+_CLASSES: weakref.WeakValueDictionary[str, type[Operator]] = weakref.WeakValueDictionary()
+
+
+def operator_class(path: str) -> type[Operator] | None:
+    """The operator class a config's ``"op"`` entry names (``None``: no such class is loaded)."""
+    return _CLASSES.get(path) if isinstance(path, str) else None
 
 
 def check_elements(result: Any, stage: str) -> list[Element]:

@@ -56,14 +56,21 @@ lane alone, and other lanes never see its elements.
 from __future__ import annotations
 
 import copy as _copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from zephon_torch.block import ID_CHUNK, ID_DATASET, ID_LOCAL, ID_OFFSET, ID_SHARD, Block
+from zephon_torch.epochs import epoch_seed
 from zephon_torch.ops.accumulators import Accumulator, CountingAccumulator, lane_of
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
+from zephon_torch.ops.shuffle_buffer import (
+    BUFFER_SPLIT,
+    lane_buffer_size,
+    refuse_unsplit,
+    unsplit_config,
+)
 from zephon_torch.sources.permute import mix64, seed_key
 from zephon_torch.types import CursorKey, SampleBatch
 
@@ -82,13 +89,6 @@ __all__ = [
 #: The accepted values of ``Shuffle(algorithm=...)``.
 SHUFFLE_ALGORITHMS = ("streaming", "block", "block_warmup")
 
-#: How ``buffer_size`` is shared among the lanes (:func:`lane_buffer_size`), as
-#: ``Shuffle.config()`` records it. Shuffles once gave every lane the whole
-#: ``buffer_size``; their config had no such entry, so the checkpoint
-#: fingerprint of a state saved then differs (``buffer_split added``) and the
-#: state is refused instead of resuming into another order. Change the text
-#: if the rule ever changes again.
-BUFFER_SPLIT = "ceil(buffer_size/num_lanes) per lane"
 
 # Keeps shuffle hashes apart from other users of seed_key with the same seed
 # (the sources fold (seed, pass, dataset, ...)): "shuffle" in ASCII.
@@ -147,41 +147,6 @@ def salt_of(prefix: int, elem: Element) -> int:
     """
     chunk_id, chunk_offset, lineage, sample_id = _cursor_key(elem)
     return _fold(prefix, (chunk_id, chunk_offset, len(lineage), *lineage, *sample_id))
-
-
-def lane_buffer_size(buffer_size: int, num_lanes: int) -> int:
-    """Each lane's share of a shuffle's buffer: ``ceil(buffer_size / num_lanes)`` rows.
-
-    It is the reservoir size of ``"streaming"`` and the (full) block size of
-    ``"block"`` and ``"block_warmup"``. ``num_lanes`` is the source's, never
-    the number of lanes a rank or worker runs, so the share, and with it
-    the output, is the same on any world size and worker count. The lanes
-    together hold ``num_lanes * share`` rows, at most ``buffer_size +
-    num_lanes - 1``.
-
-    Args:
-        buffer_size: The shuffle's ``buffer_size`` (positive).
-        num_lanes: The source's number of lanes (positive).
-
-    Returns:
-        The rows one lane holds, at least 2.
-
-    Raises:
-        ValueError: ``buffer_size <= num_lanes``: a share of one row, which
-            would not shuffle at all.
-    """
-    share = -(-buffer_size // num_lanes)
-    if share < 2:
-        lanes = "lane" if num_lanes == 1 else "lanes"
-        raise ValueError(
-            f"shuffle(buffer_size={buffer_size}) over {num_lanes} {lanes} gives each lane a "
-            f"buffer of 1 row, which does not shuffle at all: buffer_size is the pipeline's "
-            f"whole buffer, shared by the source's lanes (ceil({buffer_size} / {num_lanes}) = "
-            f"1 row per lane). Pass buffer_size >= {num_lanes + 1} (at least 2 rows per lane; "
-            "a good mix needs far more, the default is 8192), or build the source with fewer "
-            "lanes"
-        )
-    return share
 
 
 def block_salts(prefix: int, block: Block) -> np.ndarray:
@@ -572,8 +537,6 @@ class Shuffle(Operator):
         Its config (and so the fingerprint) is the same: the epoch travels in
         states on its own. Epoch 0 returns the operator itself.
         """
-        from zephon_torch.epochs import epoch_seed
-
         run_seed = epoch_seed(self.seed, epoch)
         if run_seed == self._run_seed:
             return self
@@ -632,6 +595,20 @@ class Shuffle(Operator):
         """
         return {**super().config(), "buffer_size": self.buffer_size, "seed": self.seed,
                 "algorithm": self.algorithm, "buffer_split": BUFFER_SPLIT}
+
+    @classmethod
+    def earlier_config(cls, config: Mapping[str, Any], saved: Mapping[str, str], *,
+                       num_lanes: int) -> dict[str, Any] | None:
+        """A state saved unsplit resumes where this shuffle gives its order (see
+        :func:`~zephon_torch.ops.shuffle_buffer.unsplit_config`)."""
+        return unsplit_config(config, saved, num_lanes)
+
+    @classmethod
+    def refuse_earlier_state(cls, differ: Sequence[str], mine: Mapping[str, Any],
+                             theirs: Mapping[str, Any], *, num_lanes: int) -> str | None:
+        """Why a state saved unsplit cannot resume (see
+        :func:`~zephon_torch.ops.shuffle_buffer.refuse_unsplit`)."""
+        return refuse_unsplit(differ, mine, theirs, num_lanes)
 
     def __repr__(self) -> str:
         # The constructor's arguments only: buffer_split is no argument.

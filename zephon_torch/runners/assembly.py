@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from zephon_torch.checkpoint import ReplayFilter
 from zephon_torch.ops.base import OpContext, Operator
 from zephon_torch.ops.fused import parts_of
 from zephon_torch.ops.placement import placement_options
+from zephon_torch.replay import ReplayFilter
 from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
 from zephon_torch.runners.engine import Engine, Stage
 from zephon_torch.sources.emitter import SourceEmitter

@@ -59,13 +59,13 @@ def write_token_parquet(path: Path, count: int, seed: int, *, rows_per_group: in
 def assert_scanned_as(data: bytes, block: int, expected: list[tuple[int, int, bytes]]) -> Any:
     """Feed ``data`` to a line scanner and a line iterator ``block`` bytes at a time and
     check both against ``expected`` ``(offset, line number, line)``; the scanner."""
-    from zephon_torch.sources import readers
+    from zephon_torch.sources.lines import LineScanner, iter_lines
 
     blocks = [data[i:i + block] for i in range(0, len(data), block)]
-    scanner = readers.LineScanner()
+    scanner = LineScanner()
     for b in blocks:
         scanner.feed(b)
     index = scanner.finish()
     assert [tuple(row) for row in index.tolist()] == [(o, n) for o, n, _ in expected]
-    assert list(readers.iter_lines(blocks)) == [line for _, _, line in expected]
+    assert list(iter_lines(blocks)) == [line for _, _, line in expected]
     return scanner

@@ -35,8 +35,8 @@ from zephon_torch.checkpoint import accept_changed_data
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.sources.base import Dataset, Shard
 from zephon_torch.sources.datasets import JsonlDataset, ParquetDataset
+from zephon_torch.sources.handles import RandomAccessFile
 from zephon_torch.sources.permute import permute, seed_key
-from zephon_torch.sources.readers import RandomAccessFile
 from zephon_torch.sources.schedule import WorkSchedule
 
 

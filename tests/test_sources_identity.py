@@ -31,8 +31,9 @@ from hypothesis import strategies as st
 from zephon_torch.checkpoint import accept_changed_data, merge_states, state_checksum
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.sources import datasets as zd
-from zephon_torch.sources import readers
-from zephon_torch.sources.readers import DataChangedError
+from zephon_torch.sources.handles import DataChangedError
+from zephon_torch.sources.lines import LineScanner, iter_lines, read_lines_at
+from zephon_torch.sources.streams import TruncatedStreamError
 
 
 @pytest.fixture(autouse=True)
@@ -630,22 +631,22 @@ def test_cr_only_scanner_reader_and_stream_agree_with_a_naive_split(lines, final
 
     if len(index):
         ids = np.arange(len(index))
-        assert readers.read_lines_at(Bytes(), index[:, 0], len(data), ids,
-                                     scanner.line_end) == [line for _, _, line in expected]
+        assert read_lines_at(Bytes(), index[:, 0], len(data), ids,
+                             scanner.line_end) == [line for _, _, line in expected]
 
     # A stream cut short keeps the complete lines, counted and streamed alike.
     cut = min(cut, len(data))
 
     def failing() -> Any:
         yield from (data[:cut][i:i + block] for i in range(0, cut, block))
-        raise readers.TruncatedStreamError("cut")
+        raise TruncatedStreamError("cut")
 
-    partial = readers.LineScanner()
+    partial = LineScanner()
     partial.feed(data[:cut])
     complete = partial.finish(complete_only=True)
     got: list[bytes] = []
-    with pytest.raises(readers.TruncatedStreamError):
-        for line in readers.iter_lines(failing()):
+    with pytest.raises(TruncatedStreamError):
+        for line in iter_lines(failing()):
             got.append(line)
     assert len(got) == len(complete)
 

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from zephon_torch.sources import datasets as zd
-from zephon_torch.sources.readers import expand_paths
+from zephon_torch.sources.paths import expand_paths
 
 
 @pytest.fixture(autouse=True)

@@ -52,7 +52,7 @@ from zephon_torch.block import ID_DATASET, ID_LOCAL, ID_SHARD, Block, concat_col
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, live_rows, tombstone
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.sources.base import POINTER, Dataset, is_pointer
-from zephon_torch.sources.readers import DataChangedError
+from zephon_torch.sources.handles import DataChangedError
 from zephon_torch.types import SampleRecord
 from zephon_torch.vocab import is_empty_text
 

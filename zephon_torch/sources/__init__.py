@@ -17,8 +17,8 @@ from zephon_torch.sources.datasets import (
     parquet,
     text_files,
 )
+from zephon_torch.sources.handles import DataChangedError
 from zephon_torch.sources.options import SourceOptions
-from zephon_torch.sources.readers import DataChangedError
 
 __all__ = [
     "POINTER",

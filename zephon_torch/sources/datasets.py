@@ -30,8 +30,8 @@ of ``a.jsonl``, and ``locate(0, 1)`` says ``"data/a.jsonl line 3"``.
 
 Datasets are pickled into worker processes. Open files and decoded row
 groups live in per-process caches that pickle empty (see
-:class:`~zephon_torch.sources.readers.HandlePool` and
-:class:`~zephon_torch.sources.readers.LRUCache`); line indexes that are on
+:class:`~zephon_torch.sources.handles.HandlePool` and
+:class:`~zephon_torch.sources.caches.LRUCache`); line indexes that are on
 disk are memory-mapped again where they are needed.
 
 Fingerprints (:meth:`Dataset.describe`) hold shard names relative to the

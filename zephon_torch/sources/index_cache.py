@@ -11,7 +11,7 @@ saved once as a ``.npy`` file named ``<key>.<about>.npy``:
   ``cp -p``, ``rsync -t`` or ``tar x`` can rewrite a file keeping its size
   and modification time; the head and tail digest catches most such
   rewrites, and reading checks every line it cuts against the index (see
-  :func:`~zephon_torch.sources.readers.read_lines_at`), removing an entry
+  :func:`~zephon_torch.sources.lines.read_lines_at`), removing an entry
   found stale.
 * ``about`` is what the index says about the file: its line ending
   (``lf``, or ``cr`` for old Mac files) and a digest of the index itself (it
@@ -47,7 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zephon_torch.sources.readers import FileStat, is_url
+from zephon_torch.sources.handles import FileStat
+from zephon_torch.sources.paths import is_url
 
 __all__ = [
     "FORMAT_VERSION",
@@ -105,7 +106,7 @@ def index_key(path: str, stat: FileStat, kind: str, edges: str) -> str | None:
         stat: Its size and modification token.
         kind: What the index describes (``"lines.plain"``, ``"lines.gzip"`` ...).
         edges: The digest of its first and last bytes
-            (:func:`~zephon_torch.sources.readers.edge_digest`).
+            (:func:`~zephon_torch.sources.handles.edge_digest`).
     """
     if stat.mtime is None:  # without a change token a rewrite could reuse the entry
         return None

@@ -18,13 +18,9 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from zephon_torch.sources.base import Dataset, Shard
-from zephon_torch.sources.readers import (
-    KeyedLocks,
-    RandomAccessFile,
-    ReadOnceCache,
-    edge_digest,
-    is_url,
-)
+from zephon_torch.sources.caches import KeyedLocks, ReadOnceCache
+from zephon_torch.sources.handles import RandomAccessFile, edge_digest
+from zephon_torch.sources.paths import is_url
 
 __all__ = [
     "FileDataset",

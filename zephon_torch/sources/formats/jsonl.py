@@ -24,6 +24,7 @@ import numpy as np
 
 from zephon_torch._extras import require
 from zephon_torch.sources.base import Shard
+from zephon_torch.sources.caches import KeyedLocks, LRUCache, ReadOnceCache
 from zephon_torch.sources.formats.common import (
     FileDataset,
     OnError,
@@ -34,6 +35,15 @@ from zephon_torch.sources.formats.common import (
     shard_names,
 )
 from zephon_torch.sources.formats.registry import CommandLineFormat, SourceFormat, register
+from zephon_torch.sources.handles import (
+    DataChangedError,
+    FileStat,
+    HandlePool,
+    RandomAccessFile,
+    edge_digest,
+    open_binary,
+    stat_file,
+)
 from zephon_torch.sources.index_cache import (
     IndexInfo,
     default_cache_dir,
@@ -44,24 +54,9 @@ from zephon_torch.sources.index_cache import (
     remove_entry,
     save_index,
 )
-from zephon_torch.sources.readers import (
-    DataChangedError,
-    FileStat,
-    HandlePool,
-    KeyedLocks,
-    LineScanner,
-    LRUCache,
-    RandomAccessFile,
-    ReadOnceCache,
-    TruncatedStreamError,
-    edge_digest,
-    expand_paths,
-    iter_decompressed,
-    iter_lines,
-    open_binary,
-    read_lines_at,
-    stat_file,
-)
+from zephon_torch.sources.lines import LineScanner, iter_lines, read_lines_at
+from zephon_torch.sources.paths import expand_paths
+from zephon_torch.sources.streams import TruncatedStreamError, iter_decompressed
 
 __all__ = ["JSONL_SUFFIXES", "JsonlDataset", "jsonl"]
 

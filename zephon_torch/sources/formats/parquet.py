@@ -17,6 +17,7 @@ import numpy as np
 
 from zephon_torch._extras import require
 from zephon_torch.sources.base import Shard, count_read
+from zephon_torch.sources.caches import KeyedLocks, ReadOnceCache
 from zephon_torch.sources.formats.common import (
     FileDataset,
     OnError,
@@ -26,18 +27,15 @@ from zephon_torch.sources.formats.common import (
     shard_names,
 )
 from zephon_torch.sources.formats.registry import CommandLineFormat, SourceFormat, register
-from zephon_torch.sources.readers import (
+from zephon_torch.sources.handles import (
     DataChangedError,
     HandlePool,
-    KeyedLocks,
     RandomAccessFile,
-    ReadOnceCache,
     edge_digest,
-    expand_paths,
-    is_url,
     open_binary,
     stat_file,
 )
+from zephon_torch.sources.paths import expand_paths, is_url
 
 __all__ = ["PARQUET_SUFFIXES", "ParquetDataset", "parquet"]
 

@@ -22,12 +22,8 @@ from zephon_torch.sources.formats.common import (
     shard_names,
 )
 from zephon_torch.sources.formats.registry import CommandLineFormat, SourceFormat, register
-from zephon_torch.sources.readers import (
-    DataChangedError,
-    expand_paths,
-    open_binary,
-    stat_file,
-)
+from zephon_torch.sources.handles import DataChangedError, open_binary, stat_file
+from zephon_torch.sources.paths import expand_paths
 
 __all__ = ["TextFilesDataset", "text_files"]
 

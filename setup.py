@@ -4,7 +4,7 @@
 ``SampleBatch.to_training``. Both are ``optional=True``: where no C compiler
 (or no Python headers) is found the build goes on without them, and the
 code uses their pure-Python twins (``zephon_torch/ops/_binpack.py``, the numpy
-code of ``zephon_torch/_training.py``: same results, slower; a one-time
+code of ``zephon_torch/_training_columns.py``: same results, slower; a one-time
 warning says so). Editable installs (``pip install -e .``) build them in place.
 
 The ``to_training`` kernel's row loops are written for the compiler to

@@ -300,7 +300,7 @@ def test_pinned_outputs_are_the_tensors_the_pinned_allocator_made(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``pin_memory=True`` the kernel fills pinned tensors through their numpy views
     and returns those very tensors (the pinned allocator tracks copies only on its own)."""
-    from zephon_torch._training import _output_format
+    from zephon_torch._training_format import _output_format
 
     made: list[torch.Tensor] = []
     real_empty = torch.empty

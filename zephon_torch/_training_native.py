@@ -21,10 +21,11 @@ return_loss_mask=True``::
     loss_mask  [1., 1., 1., 0.]
     cu_seqlens [[0, 2, 4]], max_seqlen [2]
 
-The numpy code of :mod:`zephon_torch._training` is the twin and the
-contract: this path covers the common case only (2-D int32/int64 columns,
-int32/int64 output, no extra fields) and returns None for anything else,
-including every input the twin refuses, so that errors are the twin's.
+The numpy code of :mod:`zephon_torch._training_columns` is the twin and
+the general path of :mod:`zephon_torch._training` the contract: this path
+covers the common case only (2-D int32/int64 columns, int32/int64 output,
+no extra fields) and returns None for anything else, including every input
+the twin refuses, so that errors are the twin's.
 ``ZEPHON_NATIVE=0`` (read once, at the first call) makes ``to_training``
 use the twin throughout; without the compiled kernel the twin is used
 anyway, with a one-time :class:`~zephon_torch.ops._binpack.NativeKernelWarning`.

@@ -209,14 +209,12 @@ def _runtime_import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_the_core_modules_import_in_one_direction() -> None:
-    # No import cycle through the builder, the planner, the fingerprint, the
-    # checkpoints, the replay filter, the epochs or the shuffle, counting imports
-    # inside functions (the package root, which imports everything, is the top).
+def test_the_package_imports_in_one_direction() -> None:
+    # No import cycle anywhere in the package, counting imports inside functions
+    # (the package root, which imports everything, is the top).
     graph = _runtime_import_graph()
-    watched = {f"zephon_torch.{name}" for name in (
-        "pipeline", "planner", "fingerprint", "checkpoint", "replay", "epochs", "types",
-        "ops.shuffle", "ops.shuffle_buffer", "state_checks")}
+    watched = set(graph) - {"zephon_torch"}
+    assert len(watched) > 80  # the walk found the package's modules
 
     def reaches(start: str, goal: str) -> bool:
         seen, todo = set(), [start]

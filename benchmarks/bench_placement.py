@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent)]
 
 from zephon_torch.ops._binpack import BinPlacer, native_available  # noqa: E402
-from zephon_torch.ops.packing import PackFlatAccumulator  # noqa: E402
+from zephon_torch.ops.pack_engine import PackFlatAccumulator  # noqa: E402
 from zephon_torch.types import SampleMeta, SampleRecord  # noqa: E402
 
 ALGORITHMS = ("first_fit", "best_fit", "wrap", "best_fit_decreasing")

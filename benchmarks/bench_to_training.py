@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from zephon_torch._training_native import kernel_enabled
-from zephon_torch.block import Block, BlockBatch
+from zephon_torch.block import Block
+from zephon_torch.block_views import BlockBatch
 from zephon_torch.types import PACKING_METADATA_TAG, SampleBatch, SampleMeta, SampleRecord
 
 

@@ -260,7 +260,8 @@ def test_rows_of_a_block_are_counted_as_their_records_would_be(data: st.DataObje
     import numpy as np
 
     from zephon_torch.accounting import Accounting
-    from zephon_torch.block import Block, PlainRows
+    from zephon_torch.block import Block
+    from zephon_torch.block_views import PlainRows
     from zephon_torch.sources.schedule import Chunk, ScheduleState
 
     flush_every = data.draw(st.sampled_from([0, 1, 3]))

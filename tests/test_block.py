@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zephon_torch.block import Block, BlockBatch, Ragged, Sentinel, blocks_from_records
+from zephon_torch.block import Block, Sentinel, blocks_from_records
+from zephon_torch.block_columns import Ragged
+from zephon_torch.block_views import BlockBatch
 from zephon_torch.types import (
     ContributorRef,
     SampleBatch,

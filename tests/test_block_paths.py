@@ -99,7 +99,7 @@ def test_fetch_reads_blocks_as_it_reads_records(files: Path, kind: str) -> None:
 
 
 def test_a_parquet_block_is_fetched_as_columns_with_a_ragged_token_column(files: Path) -> None:
-    from zephon_torch.block import Ragged
+    from zephon_torch.block_columns import Ragged
 
     pipe = zt.Pipeline.from_parquet(str(files / "*.parquet"), num_lanes=1, chunk_size=64).fetch()
     op = Fetch()

@@ -23,14 +23,10 @@ from hypothesis import strategies as st
 
 from zephon_torch.ops._binpack import native_available
 from zephon_torch.ops.base import TOMBSTONE_REASON_TAG, OpContext, OpTraits, tombstone
-from zephon_torch.ops.packing import (
-    DEFAULT_BFD_WINDOW,
-    PackFlat,
-    PackFlatAccumulator,
-    PackingAccumulator,
-    PackSequences,
-    assemble_flat_row,
-)
+from zephon_torch.ops.pack_engine import PackFlatAccumulator, PackingAccumulator
+from zephon_torch.ops.pack_options import DEFAULT_BFD_WINDOW
+from zephon_torch.ops.pack_rows import assemble_flat_row
+from zephon_torch.ops.packing import PackFlat, PackSequences
 from zephon_torch.types import (
     PACKING_METADATA_TAG,
     ContributorRef,

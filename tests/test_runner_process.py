@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zephon_torch.block import Block, Ragged
+from zephon_torch.block import Block
+from zephon_torch.block_columns import Ragged
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners import shm

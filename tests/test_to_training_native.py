@@ -1,6 +1,6 @@
 """The native ``to_training`` kernel and its numpy twin give the same outputs and errors.
 
-A pipeline's batch (a :class:`~zephon_torch.block.BlockBatch` whose token,
+A pipeline's batch (a :class:`~zephon_torch.block_views.BlockBatch` whose token,
 position and loss-mask columns are ``[B, S]`` arrays) goes through
 ``to_training`` twice, once on the compiled kernel
 (``zephon_torch/_native/training.c``) and once on the numpy twin, and the two
@@ -30,7 +30,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zephon_torch import _training_native
-from zephon_torch.block import Block, BlockBatch
+from zephon_torch.block import Block
+from zephon_torch.block_views import BlockBatch
 from zephon_torch.ops._binpack import NativeKernelWarning
 
 DISABLED = os.environ.get("ZEPHON_NATIVE", "").strip().lower() in ("0", "false", "no", "off")

@@ -26,9 +26,10 @@ import pytest
 import torch
 
 import zephon_torch as zt
-from zephon_torch.block import Block, BlockBatch
+from zephon_torch.block import Block
+from zephon_torch.block_views import BlockBatch
 from zephon_torch.ops._binpack import native_available
-from zephon_torch.ops.packing import PackFlatAccumulator, PackSequencesAccumulator
+from zephon_torch.ops.pack_engine import PackFlatAccumulator, PackSequencesAccumulator
 from zephon_torch.types import SampleBatch, SampleMeta, SampleRecord
 
 

@@ -51,7 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zephon_torch.block import ID_CHUNK, ID_OFFSET, Block, BlockBatch, PlainRows
+from zephon_torch.block import Block
+from zephon_torch.block_ids import ID_CHUNK, ID_OFFSET
+from zephon_torch.block_views import BlockBatch, PlainRows
 from zephon_torch.sources.base import Dataset
 from zephon_torch.types import SampleBatch, SampleRecord
 from zephon_torch.vocab import (

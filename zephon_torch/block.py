@@ -36,6 +36,13 @@ column                    holds
 Tombstones are rows (``tomb``); their payload is ``None``. Flush sentinels
 are not rows: they travel between blocks as :class:`Sentinel` items.
 
+The block's neighbours hold what it is made of: :mod:`zephon_torch.block_columns`
+(ragged and other payload columns), :mod:`zephon_torch.block_ids` (the ids
+layout, component counts, the contributor table),
+:mod:`zephon_torch.block_records` (records to columns),
+:mod:`zephon_torch.block_join` (concatenating and gathering blocks) and
+:mod:`zephon_torch.block_views` (the batches and rows the consumer hands out).
+
 Example: the records of chunk 3 of lane 1 after ``tokenize``::
 
     ids     [[0, 2, 17, 3, 0],      fields {"text": ["a b", "", "c"],
@@ -51,20 +58,33 @@ Example: the records of chunk 3 of lane 1 after ``tokenize``::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from zephon_torch.types import (
-    ContributorRef,
-    SampleBatch,
-    SampleCursor,
-    SampleMeta,
-    SampleRecord,
-    metas_from_columns,
-    records_from_columns,
+from zephon_torch.block_columns import (
+    Ragged,
+    column_slice,
+    column_take,
+    concat_columns,
+    fields_of_payloads,
+    payloads_of_fields,
 )
+from zephon_torch.block_ids import (
+    ID_CHUNK,
+    ID_DATASET,
+    ID_LOCAL,
+    ID_OFFSET,
+    ID_SHARD,
+    NO_COUNTS,
+    Contributors,
+    unit_counts,
+)
+from zephon_torch.block_join import concat_blocks, gather_arrays
+from zephon_torch.block_records import record_columns
+from zephon_torch.block_views import MIXED, BlockBatch, PlainRows
+from zephon_torch.types import SampleMeta, SampleRecord, metas_from_columns, records_from_columns
 from zephon_torch.vocab import (
     CONTRIBUTORS_TAG,
     FLUSH_SENTINEL_TAG,
@@ -74,37 +94,25 @@ from zephon_torch.vocab import (
     TOMBSTONE_TAG,
 )
 
+# Ragged, concat_columns, the ID_* columns, BlockBatch, PlainRows and MIXED live in the
+# modules above; they are named here too for the modules that import them from here.
 __all__ = [
     "ID_CHUNK",
     "ID_DATASET",
     "ID_LOCAL",
     "ID_OFFSET",
     "ID_SHARD",
+    "MIXED",
     "Block",
     "BlockBatch",
-    "Contributors",
     "PlainRows",
     "Ragged",
-    "RowView",
     "Sentinel",
     "blocks_from_elements",
     "blocks_from_records",
     "concat_columns",
 ]
 
-#: Columns of :attr:`Block.ids`.
-ID_DATASET, ID_SHARD, ID_LOCAL, ID_CHUNK, ID_OFFSET = range(5)
-_EMPTY_IDS = np.zeros((0, 5), dtype=np.int64)
-_NO_COUNTS: dict[int, int] = {}
-# One shared ``{c: 1}`` per component, as the object path shares one per dataset.
-_UNIT_COUNTS: dict[int, dict[int, int]] = {}
-
-
-def _unit_counts(component: int) -> dict[int, int]:
-    counts = _UNIT_COUNTS.get(component)
-    if counts is None:
-        counts = _UNIT_COUNTS[component] = {} if component < 0 else {component: 1}
-    return counts
 
 
 class Sentinel(NamedTuple):
@@ -118,274 +126,6 @@ class Sentinel(NamedTuple):
         meta = SampleMeta((-1, -1, -1), self.lane, self.boundary, 0, None, None, (),
                           {FLUSH_SENTINEL_TAG: True})
         return SampleRecord(meta, None)
-
-
-# --------------------------------------------------------------------------- ragged
-
-
-class Ragged:
-    """Rows of different lengths: one flat ``values`` array and ``offsets`` into it.
-
-    Row ``i`` is ``values[offsets[i]:offsets[i + 1]]`` (a view). ``offsets``
-    (int64, ``n + 1`` entries) need not start at 0: a slice of a ragged
-    column shares its parent's values.
-    """
-
-    __slots__ = ("offsets", "values")
-
-    def __init__(self, values: np.ndarray, offsets: np.ndarray) -> None:
-        self.values = values
-        self.offsets = offsets
-
-    @classmethod
-    def from_rows(cls, rows: Sequence[Any], dtype: Any = None) -> Ragged:
-        """Concatenate 1-D rows into one ragged column."""
-        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        if rows:
-            values = np.concatenate([np.asarray(r) for r in rows])
-            if dtype is not None:
-                values = values.astype(dtype, copy=False)
-        else:
-            values = np.zeros(0, dtype=dtype or np.int32)
-        return cls(values, offsets)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        off = self.offsets
-        return self.values[off[i]:off[i + 1]]
-
-    def lengths(self) -> np.ndarray:
-        """The length of every row (int64)."""
-        return np.diff(self.offsets)
-
-    def rows(self) -> list[np.ndarray]:
-        """Every row, as views."""
-        values = self.values
-        bounds = self.offsets.tolist()
-        return [values[a:b] for a, b in itertools.pairwise(bounds)]
-
-    def slice(self, start: int, stop: int) -> Ragged:
-        """Rows ``start..stop-1``, sharing the values."""
-        return Ragged(self.values, self.offsets[start:stop + 1])
-
-    def take(self, index: np.ndarray) -> Ragged:
-        """The rows ``index`` (in that order), gathered into a new column."""
-        offsets, gather = _gather_runs(self.offsets, index)
-        return Ragged(self.values[gather], offsets)
-
-    def compact(self) -> Ragged:
-        """The same rows in a column of its own (offsets from 0, no foreign values)."""
-        off = self.offsets
-        if off[0] == 0 and off[-1] == len(self.values):
-            return self
-        return Ragged(self.values[off[0]:off[-1]].copy(), off - off[0])
-
-    @staticmethod
-    def concat(parts: Sequence[Ragged]) -> Ragged:
-        """The rows of every part, in order."""
-        if len(parts) == 1:
-            return parts[0]
-        values = np.concatenate([p.values[p.offsets[0]:p.offsets[-1]] for p in parts])
-        offsets = np.zeros(sum(len(p) for p in parts) + 1, dtype=np.int64)
-        pos, base = 1, 0
-        for p in parts:
-            n = len(p)
-            offsets[pos:pos + n] = p.offsets[1:] - p.offsets[0] + base
-            base += int(p.offsets[-1] - p.offsets[0])
-            pos += n
-        return Ragged(values, offsets)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Ragged):
-            return NotImplemented
-        return (np.array_equal(self.lengths(), other.lengths())
-                and self.values.dtype == other.values.dtype
-                and np.array_equal(self.compact().values, other.compact().values))
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        count = int(self.offsets[-1] - self.offsets[0])
-        return f"Ragged({len(self)} rows, {self.values.dtype}, {count} values)"
-
-
-def _gather_runs(offsets: np.ndarray, index: Any) -> tuple[np.ndarray, np.ndarray]:
-    """For rows ``index`` of a table with row ``offsets``: the new offsets, and the
-    positions of the rows' entries, in order (a gather index)."""
-    index = np.asarray(index, dtype=np.int64)
-    starts = offsets[index]
-    lengths = offsets[index + 1] - starts
-    new = np.zeros(len(index) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=new[1:])
-    gather = np.arange(int(new[-1]), dtype=np.int64) + np.repeat(starts - new[:-1], lengths)
-    return new, gather
-
-
-def concat_columns(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """Column dicts of consecutive runs of rows as one (None if their layouts differ)."""
-    if len(runs) == 1:
-        return dict(runs[0])
-    out: dict[str, Any] = {}
-    for name in runs[0]:
-        if any(list(run) != list(runs[0]) for run in runs):
-            return None
-        parts = [run[name] for run in runs]
-        if not _same_kind(parts):
-            return None
-        out[name] = _column_concat(parts)
-    return out
-
-
-def _column_rows(column: Any) -> list[Any]:
-    if isinstance(column, Ragged):
-        return column.rows()
-    if isinstance(column, np.ndarray):
-        return list(column)
-    return list(column)
-
-
-def _column_take(column: Any, index: np.ndarray) -> Any:
-    if isinstance(column, (Ragged, np.ndarray)):
-        return column.take(index) if isinstance(column, Ragged) else column[index]
-    return [column[i] for i in index.tolist()]
-
-
-def _column_slice(column: Any, start: int, stop: int) -> Any:
-    if isinstance(column, Ragged):
-        return column.slice(start, stop)
-    return column[start:stop]
-
-
-def _column_concat(parts: Sequence[Any]) -> Any:
-    first = parts[0]
-    if isinstance(first, Ragged):
-        return Ragged.concat(parts)
-    if isinstance(first, np.ndarray):
-        return np.concatenate(parts)
-    out: list[Any] = []
-    for p in parts:
-        out.extend(p)
-    return out
-
-
-def _same_kind(parts: Sequence[Any]) -> bool:
-    first = parts[0]
-    if isinstance(first, Ragged):
-        return all(isinstance(p, Ragged) and p.values.dtype == first.values.dtype
-                   for p in parts)
-    if isinstance(first, np.ndarray):
-        return all(isinstance(p, np.ndarray) and p.dtype == first.dtype
-                   and p.shape[1:] == first.shape[1:] for p in parts)
-    return all(isinstance(p, list) for p in parts)
-
-
-# --------------------------------------------------------------------------- contributors
-
-
-class Contributors:
-    """The contributor table of a block: ``ContributorRef`` lists as arrays.
-
-    Row ``r`` of the block lists the entries ``offsets[r]:offsets[r + 1]``; a
-    row with no entry is a plain record (its own sole contributor). Each entry
-    is a cursor (``ids``: dataset, shard, local, chunk, offset, and
-    ``lineage``) and whether it is the last child closing its base offset
-    (``last``).
-    """
-
-    __slots__ = ("ids", "last", "lineage", "offsets")
-
-    def __init__(self, offsets: np.ndarray, ids: np.ndarray, lineage: list[tuple] | None,
-                 last: np.ndarray) -> None:
-        self.offsets = offsets
-        self.ids = ids
-        self.lineage = lineage
-        self.last = last
-
-    @classmethod
-    def empty(cls, n: int) -> Contributors:
-        """A table of ``n`` rows without entries."""
-        return cls(np.zeros(n + 1, dtype=np.int64), _EMPTY_IDS, None, np.zeros(0, dtype=bool))
-
-    def counts(self) -> np.ndarray:
-        """Entries per row."""
-        return np.diff(self.offsets)
-
-    def refs(self, row: int) -> tuple[ContributorRef, ...]:
-        """The ``ContributorRef`` tuple of one row (empty for a plain row)."""
-        a, b = int(self.offsets[row]), int(self.offsets[row + 1])
-        if a == b:
-            return ()
-        ids = self.ids[a:b].tolist()
-        lineage = self.lineage[a:b] if self.lineage is not None else itertools.repeat(())
-        last = self.last[a:b].tolist()
-        return tuple(ContributorRef(SampleCursor(c, o, (d, s, loc), lin), is_last)
-                     for (d, s, loc, c, o), lin, is_last in zip(ids, lineage, last))
-
-    def take(self, index: np.ndarray) -> Contributors:
-        """The rows ``index``, in that order."""
-        offsets, gather = _gather_runs(self.offsets, index)
-        lineage = None if self.lineage is None else [self.lineage[g] for g in gather.tolist()]
-        return Contributors(offsets, self.ids[gather], lineage, self.last[gather])
-
-    def slice(self, start: int, stop: int) -> Contributors:
-        """Rows ``start..stop-1``."""
-        a, b = int(self.offsets[start]), int(self.offsets[stop])
-        lineage = None if self.lineage is None else self.lineage[a:b]
-        return Contributors(self.offsets[start:stop + 1] - a, self.ids[a:b], lineage,
-                            self.last[a:b])
-
-    @staticmethod
-    def gather(tables: Mapping[int, Contributors],
-               picks: Sequence[tuple[int, int]]) -> Contributors:
-        """Row ``r`` of table ``b`` for each ``(b, r)`` of ``picks``, in that order."""
-        starts = [int(tables[b].offsets[r]) for b, r in picks]
-        stops = [int(tables[b].offsets[r + 1]) for b, r in picks]
-        lengths = np.array([b - a for a, b in zip(starts, stops)], dtype=np.int64)
-        offsets = np.zeros(len(picks) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        ids = [tables[b].ids[a:e] for (b, _), a, e in zip(picks, starts, stops)]
-        last = [tables[b].last[a:e] for (b, _), a, e in zip(picks, starts, stops)]
-        lineage = None
-        if any(t.lineage is not None for t in tables.values()):
-            lineage = []
-            for (b, _), a, e in zip(picks, starts, stops):
-                table = tables[b]
-                lineage.extend(table.lineage[a:e] if table.lineage is not None
-                               else [()] * (e - a))
-        return Contributors(offsets, np.concatenate(ids) if ids else _EMPTY_IDS, lineage,
-                            np.concatenate(last) if last else np.zeros(0, dtype=bool))
-
-    @staticmethod
-    def concat(parts: Sequence[Contributors]) -> Contributors:
-        """The rows of every part, in order."""
-        if len(parts) == 1:
-            return parts[0]
-        sizes = [int(p.offsets[-1]) for p in parts]
-        offsets = np.zeros(sum(len(p.offsets) - 1 for p in parts) + 1, dtype=np.int64)
-        pos, base = 1, 0
-        for p, size in zip(parts, sizes):
-            n = len(p.offsets) - 1
-            offsets[pos:pos + n] = p.offsets[1:] + base
-            base += size
-            pos += n
-        lineage = None
-        if any(p.lineage is not None for p in parts):
-            lineage = []
-            for p, size in zip(parts, sizes):
-                lineage.extend(p.lineage if p.lineage is not None else [()] * size)
-        return Contributors(offsets, np.concatenate([p.ids for p in parts]), lineage,
-                            np.concatenate([p.last for p in parts]))
-
-
-def _refs_ok(refs: Any) -> bool:
-    """Whether a ``_contributors`` value is the standard tuple of ``ContributorRef``."""
-    return (type(refs) is tuple and len(refs) > 0
-            and all(type(r) is ContributorRef and type(r.cursor) is SampleCursor
-                    and type(r.is_last_child) is bool for r in refs))
 
 
 # --------------------------------------------------------------------------- the block
@@ -499,17 +239,7 @@ class Block:
         """Every row's payload, in order (``None`` for tombstones)."""
         if self.payloads is not None:
             return list(self.payloads)
-        keys = list(self.fields)
-        columns = [_column_rows(c) for c in self.fields.values()]
-        if len(keys) == 1:
-            key = keys[0]
-            out = [{key: v} for v in columns[0]]
-        else:
-            out = [dict(zip(keys, values)) for values in zip(*columns)]
-        if self.tomb is not None:
-            for i in np.flatnonzero(self.tomb).tolist():
-                out[i] = None
-        return out
+        return payloads_of_fields(self.fields, self.tomb)
 
     def columnar(self) -> Block:
         """The same rows with their dict payloads as columns, where they allow it.
@@ -521,29 +251,8 @@ class Block:
         """
         if self.fields is not None or self.payloads is None:
             return self
-        dead = self.tomb
-        keys = None
-        for i, p in enumerate(self.payloads):
-            if dead is not None and dead[i]:
-                continue
-            if type(p) is not dict or (keys is not None and list(p) != keys):
-                return self
-            keys = keys if keys is not None else list(p)
-        if keys is None:
-            return self
-        fields: dict[str, Any] = {}
-        for key in keys:
-            values = [None if (dead is not None and dead[i]) else p[key]
-                      for i, p in enumerate(self.payloads)]
-            live = [v for v in values if v is not None]
-            if live and all(type(v) is np.ndarray and v.ndim == 1 and v.dtype.kind in "iu"
-                            and v.dtype == live[0].dtype for v in live):
-                fields[key] = Ragged.from_rows(
-                    [np.zeros(0, live[0].dtype) if v is None else v for v in values],
-                    dtype=live[0].dtype)
-            else:
-                fields[key] = values
-        return self.with_fields(fields)
+        fields = fields_of_payloads(self.payloads, self.tomb)
+        return self if fields is None else self.with_fields(fields)
 
     def with_payloads(self, payloads: list[Any]) -> Block:
         """The same rows with new payload objects (one per row)."""
@@ -568,10 +277,10 @@ class Block:
         component = self.component
         n = len(self)
         if component is None:
-            return [_NO_COUNTS] * n
+            return [NO_COUNTS] * n
         if n and component[0] == component[-1] and bool((component == component[0]).all()):
-            return [_unit_counts(int(component[0]))] * n  # the usual block: one component
-        return [_unit_counts(c) for c in component.tolist()]
+            return [unit_counts(int(component[0]))] * n  # the usual block: one component
+        return [unit_counts(c) for c in component.tolist()]
 
     def tags(self, i: int) -> dict[str, Any]:
         """The ``tags`` dict of row ``i``'s meta (built from the columns)."""
@@ -675,7 +384,7 @@ class Block:
         out.ids = self.ids[cut]
         out.payloads = None if self.payloads is None else self.payloads[cut]
         out.fields = None if self.fields is None else {
-            k: _column_slice(c, start, stop) for k, c in self.fields.items()}
+            k: column_slice(c, start, stop) for k, c in self.fields.items()}
         out.lineage = None if self.lineage is None else self.lineage[cut]
         out.component = None if self.component is None else self.component[cut]
         out.counts = None if self.counts is None else self.counts[cut]
@@ -705,7 +414,7 @@ class Block:
             self.lane, self.ids[index],
             payloads=pick(self.payloads),
             fields=None if self.fields is None else
-            {k: _column_take(c, index) for k, c in self.fields.items()},
+            {k: column_take(c, index) for k, c in self.fields.items()},
             lineage=pick(self.lineage),
             component=None if self.component is None else self.component[index],
             counts=pick(self.counts),
@@ -728,54 +437,7 @@ class Block:
         if any(b.lane != lane for b in blocks):
             raise ValueError(f"cannot concatenate blocks of lanes "
                              f"{sorted({b.lane for b in blocks})}: a block holds one lane")
-        sizes = [len(b) for b in blocks]
-
-        def lists(name: str, default: Any) -> list[Any] | None:
-            values = [getattr(b, name) for b in blocks]
-            if all(v is None for v in values):
-                return None
-            out: list[Any] = []
-            for v, n in zip(values, sizes):
-                out.extend(v if v is not None else [default] * n)
-            return out
-
-        if all(b.counts is None and b.component is not None for b in blocks):
-            component, counts = np.concatenate([b.component for b in blocks]), None
-        else:
-            component, counts = None, []
-            for b in blocks:
-                counts.extend(b._counts_list())
-        tombs = [b.tomb for b in blocks]
-        tomb = None
-        if any(t is not None for t in tombs):
-            tomb = np.concatenate([t if t is not None else np.zeros(n, dtype=bool)
-                                   for t, n in zip(tombs, sizes)])
-        contributors = None
-        if any(b.contributors is not None for b in blocks):
-            contributors = Contributors.concat([
-                b.contributors if b.contributors is not None else Contributors.empty(len(b))
-                for b in blocks])
-        payloads, fields = None, None
-        keys = [list(b.fields) if b.fields is not None else None for b in blocks]
-        if keys[0] is not None and all(k == keys[0] for k in keys):
-            columns = {k: [b.fields[k] for b in blocks] for k in keys[0]}
-            if all(_same_kind(parts) for parts in columns.values()):
-                fields = {k: _column_concat(parts) for k, parts in columns.items()}
-        if fields is None:
-            payloads = []
-            for b in blocks:
-                payloads.extend(b.payload_list() if b.payloads is None else b.payloads)
-        return Block(
-            lane, np.concatenate([b.ids for b in blocks]),
-            payloads=payloads, fields=fields,
-            lineage=lists("lineage", ()),
-            component=component, counts=counts,
-            token_counts=lists("token_counts", None),
-            tomb=tomb, reason=lists("reason", None), detail=lists("detail", None),
-            contributors=contributors,
-            packing=lists("packing", None),
-            extra=lists("extra", None),
-        )
+        return Block(lane, np.concatenate([b.ids for b in blocks]), **concat_blocks(blocks))
 
     @staticmethod
     def gather(pool: Sequence[Block], owners: Sequence[int], rows: Sequence[int]) -> Block:
@@ -791,9 +453,10 @@ class Block:
         if len(groups) == 1:
             return pool[int(groups[0])].take(row)
         blocks = [pool[b] for b in groups.tolist()]
-        direct = _gather_arrays(blocks, groups, owner, row)
+        direct = gather_arrays(blocks, groups, owner, row)
         if direct is not None:
-            return direct
+            ids, columns = direct
+            return Block(blocks[0].lane, ids, **columns)
         order = np.argsort(owner, kind="stable")
         parts = [pool[b].take(row[order[owner[order] == b]]) for b in groups.tolist()]
         joined = Block.concat(parts)
@@ -844,72 +507,8 @@ class Block:
         Raises:
             ValueError: The records span several lanes, or one is a flush sentinel.
         """
-        metas = [r.meta for r in records]
-        if lane is None:
-            if not metas:
-                raise ValueError("an empty block needs its lane")
-            lane = metas[0].lane_id
-        n = len(metas)
-        if n == 0:
-            return cls(lane, _EMPTY_IDS, payloads=[])
-        lanes = {m.lane_id for m in metas}
-        if lanes != {lane}:
-            raise ValueError(f"a block holds the records of one lane, got lanes {sorted(lanes)}")
-        ids = np.array([(*m.sample_id, m.chunk_id, m.chunk_offset) for m in metas],
-                       dtype=np.int64).reshape(n, 5)
-        lineage: list[tuple[int, ...]] | None = [m.lineage for m in metas]
-        if not any(lineage):
-            lineage = None
-        counts_list = [m.component_sample_counts for m in metas]
-        component, counts = _components_of(counts_list)
-        token_counts: list[Any] | None = [m.component_token_counts for m in metas]
-        if all(t is None for t in token_counts):
-            token_counts = None
-        payloads = [r.payload for r in records]
-        block = cls(lane, ids, payloads=payloads, lineage=lineage, component=component,
-                    counts=counts, token_counts=token_counts)
-        tagged = [i for i, m in enumerate(metas) if m.tags]
-        if tagged:
-            block._take_tags([(i, metas[i].tags) for i in tagged])
-        return block
-
-    def _take_tags(self, tagged: list[tuple[int, Mapping[str, Any]]]) -> None:
-        """Spread the tags of some rows into the columns (used by :meth:`from_records`)."""
-        n = len(self)
-        tomb = np.zeros(n, dtype=bool)
-        reason: list[str | None] = [None] * n
-        detail: list[str | None] = [None] * n
-        packing: list[Any] = [None] * n
-        extra: list[Any] = [None] * n
-        refs_of: dict[int, tuple[ContributorRef, ...]] = {}
-        for i, tags in tagged:
-            rest: dict[str, Any] = {}
-            is_tomb = tags.get(TOMBSTONE_TAG) is True
-            for key, value in tags.items():
-                if key == CONTRIBUTORS_TAG and _refs_ok(value):
-                    refs_of[i] = value
-                elif key == PACKING_METADATA_TAG and isinstance(value, dict):
-                    packing[i] = value
-                elif key == TOMBSTONE_TAG and value is True:
-                    tomb[i] = True
-                elif key == TOMBSTONE_REASON_TAG and is_tomb and isinstance(value, str):
-                    reason[i] = value
-                elif key == TOMBSTONE_DETAIL_TAG and is_tomb and isinstance(value, str):
-                    detail[i] = value
-                elif key == FLUSH_SENTINEL_TAG and value:
-                    raise ValueError("a flush sentinel is not a block row: it travels between "
-                                     "blocks as a Sentinel")
-                else:
-                    rest[key] = value
-            extra[i] = rest or None
-        if tomb.any():
-            self.tomb, self.reason, self.detail = tomb, reason, detail
-        if any(p is not None for p in packing):
-            self.packing = packing
-        if any(e is not None for e in extra):
-            self.extra = extra
-        if refs_of:
-            self.contributors = _contributors_from(n, refs_of)
+        lane, ids, columns = record_columns(records, lane)
+        return cls(lane, ids, **columns)
 
     # ------------------------------------------------------------------ pickling
 
@@ -924,107 +523,8 @@ _SHARED = ("lane", "ids", "lineage", "component", "counts", "token_counts", "tom
            "detail", "contributors", "packing", "extra")
 
 
-def _gather_arrays(blocks: list[Block], groups: np.ndarray, owner: np.ndarray,
-                   row: np.ndarray) -> Block | None:
-    """:meth:`Block.gather` for blocks whose payload columns are all arrays of one
-    layout (packed rows): each column assembled once, in place. None otherwise."""
-    first = blocks[0]
-    if first.fields is None or any(
-            not isinstance(c, np.ndarray) for c in first.fields.values()):
-        return None
-    keys = list(first.fields)
-    for block in blocks[1:]:
-        if (block.fields is None or list(block.fields) != keys or block.lane != first.lane
-                or any(not isinstance(block.fields[k], np.ndarray)
-                       or block.fields[k].dtype != first.fields[k].dtype
-                       or block.fields[k].shape[1:] != first.fields[k].shape[1:]
-                       for k in keys)):
-            return None
-    n = len(row)
-    where = {b: np.flatnonzero(owner == b) for b in groups.tolist()}
-    by_group = dict(zip(groups.tolist(), blocks))
-
-    def assemble(get: Any) -> np.ndarray:
-        sample = get(first)
-        out = np.empty((n, *sample.shape[1:]), dtype=sample.dtype)
-        for b, positions in where.items():
-            out[positions] = get(by_group[b])[row[positions]]
-        return out
-
-    fields = {k: assemble(lambda block, k=k: block.fields[k]) for k in keys}
-    ids = assemble(lambda block: block.ids)
-    picks = list(zip(owner.tolist(), row.tolist()))
-
-    def pick(name: str, default: Any) -> list[Any] | None:
-        if all(getattr(block, name) is None for block in blocks):
-            return None
-        return [(getattr(by_group[b], name) or [default] * len(by_group[b]))[r]
-                for b, r in picks]
-
-    if all(block.counts is None and block.component is not None for block in blocks):
-        component, counts = assemble(lambda block: block.component), None
-    else:
-        lists = {b: block._counts_list() for b, block in by_group.items()}
-        component, counts = None, [lists[b][r] for b, r in picks]
-    tomb = None
-    if any(block.tomb is not None for block in blocks):
-        tomb = np.array([bool(by_group[b].tomb[r]) if by_group[b].tomb is not None else False
-                         for b, r in picks], dtype=bool)
-    contributors = None
-    if any(block.contributors is not None for block in blocks):
-        tables = {b: block.contributors if block.contributors is not None
-                  else Contributors.empty(len(block)) for b, block in by_group.items()}
-        contributors = Contributors.gather(tables, picks)
-    return Block(first.lane, ids, fields=fields, lineage=pick("lineage", ()),
-                 component=component, counts=counts,
-                 token_counts=pick("token_counts", None), tomb=tomb,
-                 reason=pick("reason", None), detail=pick("detail", None),
-                 contributors=contributors, packing=pick("packing", None),
-                 extra=pick("extra", None))
-
-
 def _restore(lane: int, ids: np.ndarray, state: tuple[Any, ...]) -> Block:
     return Block(lane, ids, **dict(zip(_STATE, state)))
-
-
-def _components_of(counts_list: list[Mapping[int, int]]) -> tuple[np.ndarray | None,
-                                                                  list[dict] | None]:
-    """``{c: 1}`` (or ``{}``) for every row as a component column, else the dicts."""
-    component = np.empty(len(counts_list), dtype=np.int64)
-    for i, counts in enumerate(counts_list):
-        if type(counts) is not dict:
-            return None, list(counts_list)
-        if not counts:
-            component[i] = -1
-            continue
-        if len(counts) != 1:
-            return None, list(counts_list)
-        (c, k), = counts.items()
-        if k != 1 or type(c) is not int or c < 0 or type(k) is not int:
-            return None, list(counts_list)
-        component[i] = c
-    return component, None
-
-
-def _contributors_from(n: int, refs_of: Mapping[int, tuple[ContributorRef, ...]]
-                       ) -> Contributors:
-    lengths = np.zeros(n, dtype=np.int64)
-    for i, refs in refs_of.items():
-        lengths[i] = len(refs)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    rows: list[tuple[int, ...]] = []
-    lineage: list[tuple[int, ...]] = []
-    last: list[bool] = []
-    for i in sorted(refs_of):
-        for ref in refs_of[i]:
-            cur = ref.cursor
-            rows.append((*cur.sample_id, cur.chunk_id, cur.chunk_offset))
-            lineage.append(cur.lineage)
-            last.append(ref.is_last_child)
-    ids = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
-    return Contributors(offsets, ids, lineage if any(lineage) else None,
-                        np.array(last, dtype=bool))
 
 
 def blocks_from_records(records: Iterable[SampleRecord]) -> list[Block]:
@@ -1033,195 +533,6 @@ def blocks_from_records(records: Iterable[SampleRecord]) -> list[Block]:
     for record in records:
         by_lane.setdefault(record.meta.lane_id, []).append(record)
     return [Block.from_records(rs, lane) for lane, rs in by_lane.items()]
-
-
-# --------------------------------------------------------------------------- plain rows
-
-#: :class:`PlainRows`: a column whose rows hold different values.
-MIXED: Any = type("Mixed", (), {"__repr__": lambda self: "MIXED", "__slots__": ()})()
-
-
-class PlainRows:
-    """The rows of a block without tags, ready to be handed out a few at a time.
-
-    What the consumer needs of a block of plain data rows: the records of
-    any range of rows (built only when asked for) and, for the books, the
-    rows' chunk ids, offsets and cursor keys. The ids stay one numpy array;
-    the per-row Python objects (counts, payloads, lineage) are the block's
-    own lists, so that rows waiting in a queue cost the garbage collector
-    nothing.
-
-    Raises:
-        ValueError: The block has rows with tags (tombstones, contributors,
-            packing metadata, other tags).
-    """
-
-    __slots__ = ("consecutive", "counts", "ids", "lane", "lineage", "payloads", "single_chunk",
-                 "token_counts", "uniform_counts")
-
-    def __init__(self, block: Block) -> None:
-        if not block._plain():
-            raise ValueError("PlainRows holds rows without tags; this block has tagged rows")
-        self.lane = block.lane
-        ids = self.ids = block.ids
-        n = len(ids)
-        #: The counts object every row shares (the usual one-component block), or MIXED.
-        self.uniform_counts: Any = MIXED
-        component = block.component
-        if block.counts is None and component is None:
-            self.uniform_counts = _NO_COUNTS
-        elif block.counts is None and n and component[0] == component[-1] \
-                and bool((component == component[0]).all()):
-            self.uniform_counts = _unit_counts(int(component[0]))
-        self.counts = (block._counts_list() if self.uniform_counts is MIXED
-                       else [self.uniform_counts] * n)
-        self.payloads = block.payloads if block.payloads is not None else block.payload_list()
-        self.token_counts = block.token_counts
-        self.lineage = block.lineage
-        chunks, offsets = ids[:, ID_CHUNK], ids[:, ID_OFFSET]
-        #: Every row is of one chunk (the usual block).
-        self.single_chunk = n < 2 or (chunks[0] == chunks[-1]
-                                      and bool((chunks == chunks[0]).all()))
-        #: The rows' offsets go up one at a time (a chunk's rows in order, none left out).
-        self.consecutive = n < 2 or (offsets[-1] - offsets[0] == n - 1
-                                     and bool((np.diff(offsets) == 1).all()))
-
-    def __len__(self) -> int:
-        return len(self.counts)
-
-    def chunk_ids(self, start: int, stop: int) -> list[int]:
-        """The ``chunk_id`` of rows ``start..stop-1``."""
-        return self.ids[start:stop, ID_CHUNK].tolist()
-
-    def offsets(self, start: int, stop: int) -> list[int]:
-        """The ``chunk_offset`` of rows ``start..stop-1``."""
-        return self.ids[start:stop, ID_OFFSET].tolist()
-
-    def records(self, start: int, stop: int) -> list[SampleRecord]:
-        """Rows ``start..stop-1`` as records (what ``Block.records()`` gives for them)."""
-        cut = slice(start, stop)
-        tokens, lineage = self.token_counts, self.lineage
-        return records_from_columns(
-            itertools.repeat(self.lane), self.ids[cut].T.tolist(), self.counts[cut],
-            self.payloads[cut], None if tokens is None else tokens[cut],
-            None if lineage is None else lineage[cut])
-
-    def cursor_key(self, i: int) -> tuple[int, int, tuple[int, ...], tuple[int, int, int]]:
-        """Row ``i``'s cursor key ``(chunk_id, chunk_offset, lineage, sample_id)``."""
-        d, s, loc, c, o = self.ids[i].tolist()
-        return (c, o, self.lineage[i] if self.lineage is not None else (), (d, s, loc))
-
-
-# --------------------------------------------------------------------------- batches
-
-
-class RowView:
-    """A row as code that checks payloads reads it, without building its record.
-
-    It answers ``row.payload``, ``row.meta.sample_id`` and ``row.meta.tags``
-    (what ``to_training`` and the packers' checks read: for ``to_training``
-    the packing metadata, the one tag it reads).
-    """
-
-    __slots__ = ("payload", "sample_id", "tags")
-
-    def __init__(self, sample_id: tuple[int, int, int], payload: Any,
-                 tags: Mapping[str, Any] | None = None) -> None:
-        self.sample_id = sample_id
-        self.payload = payload
-        self.tags = {} if tags is None else tags
-
-    @property
-    def meta(self) -> RowView:
-        return self
-
-
-class _Rows(Sequence):
-    """The rows ``to_training`` reads, plus the columns it reads them from when it can.
-
-    As a sequence it gives a :class:`RowView` per row (built on first use: the
-    general path); ``columns`` (the block's fields), ``sample_ids`` and
-    ``padding_lengths`` let the common batch of packed rows be read as whole
-    arrays without them.
-    """
-
-    def __init__(self, block: Block) -> None:
-        self._block = block
-        self._rows: list[RowView] | None = None
-        self.columns = block.fields if block.tomb is None else None
-        self.sample_ids = [tuple(v) for v in block.ids[:, :3].tolist()]
-        packing = block.packing
-        pads = None if packing is None else [
-            None if info is None else info.get("padding_length") for info in packing]
-        self.padding_lengths = (pads if pads is not None and all(type(p) is int for p in pads)
-                                else None)
-
-    def _items(self) -> list[RowView]:
-        if self._rows is None:
-            block = self._block
-            packing = block.packing or [None] * len(block)
-            self._rows = [
-                RowView(sid, payload, {PACKING_METADATA_TAG: info} if info is not None else {})
-                for sid, payload, info in zip(self.sample_ids, block.payload_list(), packing)]
-        return self._rows
-
-    def __len__(self) -> int:
-        return len(self.sample_ids)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._items()[index]
-
-    def __iter__(self) -> Any:
-        return iter(self._items())
-
-
-class BlockBatch(SampleBatch):
-    """A :class:`~zephon_torch.types.SampleBatch` that is a view over a block of data rows.
-
-    ``records``, ``lane_ids`` and ``chunk_ids`` are built on first access;
-    ``len()``, ``ids`` and ``to_training`` read the block's columns directly.
-    It is a ``SampleBatch`` in every way a caller can see.
-    """
-
-    __slots__ = ("_block",)
-
-    def __init__(self, block: Block) -> None:
-        object.__setattr__(self, "_block", block)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for the slots not filled yet: materialise them on demand.
-        if name == "records":
-            records = tuple(self._block.records())
-            object.__setattr__(self, "records", records)
-            return records
-        if name == "lane_ids":
-            value = (self._block.lane,) * len(self._block)
-            object.__setattr__(self, "lane_ids", value)
-            return value
-        if name == "chunk_ids":
-            value = tuple(self._block.chunk_ids.tolist())
-            object.__setattr__(self, "chunk_ids", value)
-            return value
-        raise AttributeError(name)
-
-    @property
-    def block(self) -> Block:
-        """The block this batch views."""
-        return self._block
-
-    def __len__(self) -> int:
-        return len(self._block)
-
-    @property
-    def ids(self) -> tuple[tuple[int, int, int], ...]:
-        """The ``sample_id`` of every record (from the ids column)."""
-        return tuple(map(tuple, self._block.ids[:, :3].tolist()))
-
-    def _training_rows(self) -> _Rows:
-        return _Rows(self._block)
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (BlockBatch, (self._block,))
 
 
 def blocks_from_elements(elems: Sequence[Any], stage: str = "") -> list[Block]:

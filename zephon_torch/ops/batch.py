@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from zephon_torch.block import Block, BlockBatch
+from zephon_torch.block import Block
+from zephon_torch.block_views import BlockBatch
 from zephon_torch.ops.accumulators import Accumulator, BatchingAccumulator
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
 from zephon_torch.types import SampleBatch, SampleRecord
@@ -105,7 +106,7 @@ class Batch(Operator):
         """Wrap one micro-batch held as a block (one lane's data rows) in a batch view.
 
         The engine routes tombstone rows around this stage, so the block holds
-        data only; the batch is a :class:`~zephon_torch.block.BlockBatch`, whose
+        data only; the batch is a :class:`~zephon_torch.block_views.BlockBatch`, whose
         records are built only if someone asks for them.
         """
         if block.tomb is not None:

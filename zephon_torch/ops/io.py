@@ -48,7 +48,9 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from zephon_torch.block import ID_DATASET, ID_LOCAL, ID_SHARD, Block, concat_columns
+from zephon_torch.block import Block
+from zephon_torch.block_columns import concat_columns
+from zephon_torch.block_ids import ID_DATASET, ID_LOCAL, ID_SHARD
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits, live_rows, tombstone
 from zephon_torch.ops.placement import set_placement
 from zephon_torch.sources.base import POINTER, Dataset, is_pointer

@@ -7,7 +7,7 @@ class methods that build one, ``from_sources`` for a mixture and one
 (``sources/formats/registry.py``), are written here and bound into
 :class:`~zephon_torch.pipeline.Pipeline`'s body, so they read
 ``Pipeline.from_jsonl(...)`` in ``help()``, in error messages and in the API
-reference, as the rest of the class does.
+reference, as the rest of the class does (``zephon_torch/_builder.py``).
 
 The source options (``num_lanes`` ... ``exhausted``) are spelled out in each
 builder's signature, with :class:`SourceConfig`'s defaults, so that an IDE and
@@ -20,13 +20,12 @@ own options, and their defaults, are those of its factory
 
 from __future__ import annotations
 
-import inspect
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, dataclass, fields
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from zephon_torch._builder import defaults_of, pipeline_class_method
 from zephon_torch.ops.io import OnError
 from zephon_torch.sources import datasets as _datasets
 from zephon_torch.sources.base import Dataset
@@ -37,22 +36,7 @@ from zephon_torch.sources.options import SourceOptions, document_source_options
 if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
 
-__all__ = ["SourceConfig", "defaults_of"]
-
-
-def defaults_of(of: Callable[..., Any]) -> SimpleNamespace:
-    """The parameter defaults of ``of`` (a class: of its ``__init__``), by name.
-
-    The builders (these and the operator builders of ``zephon_torch/pipeline.py``)
-    take their defaults from here: an operator's ``__init__`` (or a source's
-    constructor, or :class:`SourceConfig`) is the one place a default is
-    written, so a builder cannot drift from it.
-    """
-    if isinstance(of, type) and hasattr(of, "__dataclass_fields__"):
-        return SimpleNamespace(**{f.name: f.default for f in fields(of)
-                                  if f.default is not MISSING})
-    params = inspect.signature(of).parameters.values()
-    return SimpleNamespace(**{p.name: p.default for p in params if p.default is not p.empty})
+__all__ = ["SourceConfig"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,23 +74,8 @@ _JSONL = defaults_of(_datasets.jsonl)
 _PARQUET = defaults_of(_datasets.parquet)
 _TEXT_FILES = defaults_of(_datasets.text_files)
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
-
-def _pipeline_class_method(
-        fn: Callable[Concatenate[type[Pipeline], _P], _R]) -> classmethod[Pipeline, _P, _R]:
-    """``fn`` as a class method of ``Pipeline``, named as one.
-
-    Its qualified name becomes ``Pipeline.<name>``, which Python's own
-    messages show (``Pipeline.from_jsonl() got an unexpected keyword
-    argument ...``), as for the methods written in the class.
-    """
-    fn.__qualname__ = f"Pipeline.{fn.__name__}"
-    return classmethod(fn)
-
-
-@_pipeline_class_method
+@pipeline_class_method
 @document_source_options
 def from_sources(
     cls: type[Pipeline],
@@ -190,7 +159,7 @@ def _from_format(cls: type[Pipeline], name: str, what: Any, arguments: Mapping[s
     dataset = format_named(name).open(what, **format_options)
     return _from_datasets(cls, (dataset,), None, SourceOptions.collect(arguments))
 
-@_pipeline_class_method
+@pipeline_class_method
 @document_source_options
 def from_items(
     cls: type[Pipeline],
@@ -235,7 +204,7 @@ def from_items(
     """
     return _from_format(cls, "items", items, locals(), on_error=on_error)
 
-@_pipeline_class_method
+@pipeline_class_method
 @document_source_options
 def from_jsonl(
     cls: type[Pipeline],
@@ -279,7 +248,7 @@ def from_jsonl(
     return _from_format(cls, "jsonl", paths, locals(), on_error=on_error,
                             cache_dir=cache_dir)
 
-@_pipeline_class_method
+@pipeline_class_method
 @document_source_options
 def from_parquet(
     cls: type[Pipeline],
@@ -320,7 +289,7 @@ def from_parquet(
     return _from_format(cls, "parquet", paths, locals(), columns=columns,
                             on_error=on_error)
 
-@_pipeline_class_method
+@pipeline_class_method
 @document_source_options
 def from_text_files(
     cls: type[Pipeline],

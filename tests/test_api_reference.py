@@ -24,6 +24,7 @@ import pytest
 
 import zephon_torch
 from zephon_torch import pipeline as pipeline_module
+from zephon_torch import pipeline_sources
 from zephon_torch.ops.batch import Batch
 from zephon_torch.ops.io import DecodeText, Fetch
 from zephon_torch.ops.mixture import EnsureMixture
@@ -113,8 +114,9 @@ def test_each_builder_documents_every_parameter_in_its_own_docstring(name: str) 
     assert documented == [p.name for p in _params(getattr(Pipeline, name))], name
 
 
-def test_the_docstring_examples_of_the_builders_run() -> None:
-    result = doctest.testmod(pipeline_module, optionflags=doctest.ELLIPSIS)
+@pytest.mark.parametrize("module", [pipeline_module, pipeline_sources])
+def test_the_docstring_examples_of_the_builders_run(module: Any) -> None:
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
 
 

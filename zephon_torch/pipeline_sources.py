@@ -1,0 +1,329 @@
+"""The source entry points of the builder: ``Pipeline.from_*`` and :class:`SourceConfig`.
+
+A pipeline starts from a :class:`SourceConfig`: the datasets, their weights
+and the source options (:class:`~zephon_torch.sources.SourceOptions`). The
+class methods that build one, ``from_sources`` for a mixture and one
+``from_<format>`` for each registered format that names a builder
+(``sources/formats/registry.py``), are written here and bound into
+:class:`~zephon_torch.pipeline.Pipeline`'s body, so they read
+``Pipeline.from_jsonl(...)`` in ``help()``, in error messages and in the API
+reference, as the rest of the class does (``zephon_torch/_builder.py``).
+
+The source options (``num_lanes`` ... ``exhausted``) are spelled out in each
+builder's signature, with :class:`SourceConfig`'s defaults, so that an IDE and
+``help()`` show them; each builder collects them into one ``SourceOptions``
+(which checks them) and takes their docstring entries from it
+(:func:`~zephon_torch.sources.options.document_source_options`). A format's
+own options, and their defaults, are those of its factory
+(``zt.sources.<format>``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from zephon_torch._builder import defaults_of, pipeline_class_method
+from zephon_torch.ops.io import OnError
+from zephon_torch.sources import datasets as _datasets
+from zephon_torch.sources.base import Dataset
+from zephon_torch.sources.formats.registry import format_named
+from zephon_torch.sources.mixing import check_weights
+from zephon_torch.sources.options import SourceOptions, document_source_options
+
+if TYPE_CHECKING:
+    from zephon_torch.pipeline import Pipeline
+
+__all__ = ["SourceConfig"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceConfig(SourceOptions):
+    """How the sources are read and dealt to lanes: what ``Pipeline.from_*`` build.
+
+    The source options ``num_lanes`` ... ``exhausted``, their defaults and
+    their checks are those of :class:`~zephon_torch.sources.SourceOptions`,
+    which describes each.
+
+    Attributes:
+        datasets: The datasets, each with its mixture component id.
+        weights: Each dataset's share (``None``: proportional to sizes).
+    """
+
+    datasets: tuple[Dataset, ...]
+    weights: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        SourceOptions.__post_init__(self)  # (a slots dataclass has no zero-argument super())
+        if not self.datasets:
+            raise ValueError("a pipeline needs at least one dataset")
+        if self.weights is not None:
+            if len(self.weights) != len(self.datasets):
+                raise ValueError(
+                    f"weights has {len(self.weights)} entries for {len(self.datasets)} "
+                    "datasets; give one weight per source (or a mapping component -> weight)"
+                )
+            check_weights(self.datasets, self.weights)
+
+
+_SOURCE = defaults_of(SourceConfig)
+_ITEMS = defaults_of(_datasets.items)
+_JSONL = defaults_of(_datasets.jsonl)
+_PARQUET = defaults_of(_datasets.parquet)
+_TEXT_FILES = defaults_of(_datasets.text_files)
+
+
+@pipeline_class_method
+@document_source_options
+def from_sources(
+    cls: type[Pipeline],
+    sources: Sequence[Dataset],
+    weights: Mapping[int, float] | Sequence[float] | None = None,
+    *,
+    num_lanes: int = _SOURCE.num_lanes,
+    chunk_size: int = _SOURCE.chunk_size,
+    seed: int = _SOURCE.seed,
+    flush_every_k_chunks: int | None = _SOURCE.flush_every_k_chunks,
+    passes: int | None = _SOURCE.passes,
+    shuffle: bool = _SOURCE.shuffle,
+    exhausted: str = _SOURCE.exhausted,
+) -> Pipeline:
+    """Several datasets (mixture components) in one stream.
+
+    The source options (``num_lanes`` to ``exhausted``, also taken by
+    every other ``from_*``) are described in
+    :class:`~zephon_torch.sources.SourceOptions`.
+
+    Args:
+        sources: Datasets made with ``zt.sources.items``, ``jsonl``,
+            ``parquet`` or ``text_files``, each with its ``component_id``.
+        weights: Share of each component: a mapping component id ->
+            weight, or one weight per source (they need not add up to 1),
+            each a finite number >= 0. ``None``: shares proportional to
+            the datasets' sizes. Weight 0 leaves a dataset out (never
+            read); a tiny positive weight keeps it in, and with
+            ``exhausted="repeat"`` the stream lasts until it is read in
+            full (a warning when another dataset would be read more than
+            10 times its passes; see ``zephon_torch.sources.mixing``). A
+            positive weight on a dataset with no samples is an error.
+
+    Returns:
+        A pipeline with no operators yet.
+
+    Raises:
+        ValueError: An option out of range, no dataset, or weights that
+            do not match the sources or are not finite numbers >= 0. When
+            the run starts (``iter()``, ``num_batches()``): a positive
+            weight on a dataset with no samples, or a ``"repeat"``
+            mixture of more than 2**53 samples.
+    """
+    datasets = tuple(sources)
+    if isinstance(weights, Mapping):
+        components = {d.component_id for d in datasets}
+        unknown = sorted(set(weights) - components)
+        if unknown:
+            raise ValueError(
+                f"weights name components {unknown} that no source has "
+                f"(components: {sorted(components)})"
+            )
+        # A component's weight is shared by its datasets in proportion to size; a
+        # component with no sample keeps its weight, which the schedule refuses
+        # naming the datasets (its share could never be served).
+        per_component: dict[int, list[int]] = {}
+        for d in datasets:
+            size, count = per_component.get(d.component_id, [0, 0])
+            per_component[d.component_id] = [size + len(d), count + 1]
+        resolved = tuple(
+            float(weights.get(d.component_id, 0.0)) * (
+                len(d) / per_component[d.component_id][0]
+                if per_component[d.component_id][0] else 1 / per_component[d.component_id][1])
+            for d in datasets
+        )
+    elif weights is not None:
+        resolved = tuple(float(w) for w in weights)
+    else:
+        resolved = None
+    return _from_datasets(cls, datasets, resolved, SourceOptions.collect(locals()))
+
+def _from_datasets(cls: type[Pipeline], datasets: tuple[Dataset, ...],
+                   weights: tuple[float, ...] | None, options: SourceOptions) -> Pipeline:
+    """The pipeline of these datasets and weights, read with ``options``."""
+    return cls(SourceConfig(datasets=datasets, weights=weights, **options.as_dict()))
+
+def _from_format(cls: type[Pipeline], name: str, what: Any, arguments: Mapping[str, Any],
+                 **format_options: Any) -> Pipeline:
+    """One dataset of the registered format ``name``, made from ``what`` and
+    ``format_options``, read with the source options among ``arguments``."""
+    dataset = format_named(name).open(what, **format_options)
+    return _from_datasets(cls, (dataset,), None, SourceOptions.collect(arguments))
+
+@pipeline_class_method
+@document_source_options
+def from_items(
+    cls: type[Pipeline],
+    items: Sequence[Any],
+    *,
+    on_error: OnError = _ITEMS.on_error,
+    num_lanes: int = _SOURCE.num_lanes,
+    chunk_size: int = _SOURCE.chunk_size,
+    seed: int = _SOURCE.seed,
+    flush_every_k_chunks: int | None = _SOURCE.flush_every_k_chunks,
+    passes: int | None = _SOURCE.passes,
+    shuffle: bool = False,
+    exhausted: str = _SOURCE.exhausted,
+) -> Pipeline:
+    """An in-memory sequence of samples.
+
+    ``fetch``/``decode_text`` are not needed after it (and are harmless).
+    Unlike the file sources, it keeps the items' order unless
+    ``shuffle=True``. The other source options are described in
+    :class:`~zephon_torch.sources.SourceOptions`.
+
+    Args:
+        items: The samples: dict payloads (used as they are), strings
+            (``s`` becomes ``{"text": s}``) or 1-D arrays of token ids.
+        on_error: ``"raise"`` or ``"skip"`` (a tombstone) for bad samples
+            met by ``fetch``/``decode_text``.
+        shuffle: Read in a seeded order (default: the items' order).
+
+    Returns:
+        A pipeline with no operators yet.
+
+    Raises:
+        ValueError: ``items`` is a single str or dict, or an option is out
+            of range.
+        TypeError: An item is neither a dict, a str nor token ids.
+
+    Example:
+        >>> import zephon_torch as zt
+        >>> pipe = zt.Pipeline.from_items(["a b", "c"], num_lanes=1).batch(2)
+        >>> [r.payload["text"] for b in pipe for r in b]
+        ['a b', 'c']
+    """
+    return _from_format(cls, "items", items, locals(), on_error=on_error)
+
+@pipeline_class_method
+@document_source_options
+def from_jsonl(
+    cls: type[Pipeline],
+    paths: str | Sequence[str],
+    *,
+    on_error: OnError = _JSONL.on_error,
+    cache_dir: str | os.PathLike | None = _JSONL.cache_dir,
+    num_lanes: int = _SOURCE.num_lanes,
+    chunk_size: int = _SOURCE.chunk_size,
+    seed: int = _SOURCE.seed,
+    flush_every_k_chunks: int | None = _SOURCE.flush_every_k_chunks,
+    passes: int | None = _SOURCE.passes,
+    shuffle: bool = _SOURCE.shuffle,
+    exhausted: str = _SOURCE.exhausted,
+) -> Pipeline:
+    """JSON Lines files, one sample per non-blank line.
+
+    Plain files are read by pointer through a line index built once and
+    cached; ``.gz`` and ``.zst`` files are read as streams. Follow with
+    ``.fetch().decode_text()``. The source options are described in
+    :class:`~zephon_torch.sources.SourceOptions`.
+
+    Args:
+        paths: A path, glob, directory or fsspec URL, or a list of them.
+            A path that exists is that file or folder, even with ``*``, ``?``
+            or ``[`` in its name (``shard[1].jsonl``); see ``expand_paths``.
+        on_error: ``"raise"``: a truncated compressed file, an unreadable
+            glob match or a bad line is an error naming the file and line;
+            ``"skip"``: keep the complete lines before the damage, leave
+            out unreadable matches (with a warning) and tombstone bad lines.
+        cache_dir: Folder of the line-index cache (default
+            ``$ZEPHON_CACHE_DIR`` or ``~/.cache/zephon_torch/index``).
+
+    Returns:
+        A pipeline with no operators yet.
+
+    Raises:
+        FileNotFoundError: A path or glob that matches no file.
+        ValueError: An unsupported extension or an option out of range.
+    """
+    return _from_format(cls, "jsonl", paths, locals(), on_error=on_error,
+                            cache_dir=cache_dir)
+
+@pipeline_class_method
+@document_source_options
+def from_parquet(
+    cls: type[Pipeline],
+    paths: str | Sequence[str],
+    columns: Sequence[str] | None = _PARQUET.columns,
+    *,
+    on_error: OnError = _PARQUET.on_error,
+    num_lanes: int = _SOURCE.num_lanes,
+    chunk_size: int = _SOURCE.chunk_size,
+    seed: int = _SOURCE.seed,
+    flush_every_k_chunks: int | None = _SOURCE.flush_every_k_chunks,
+    passes: int | None = _SOURCE.passes,
+    shuffle: bool = _SOURCE.shuffle,
+    exhausted: str = _SOURCE.exhausted,
+) -> Pipeline:
+    """Parquet files, one sample (a dict) per row, read by row group.
+
+    Needs ``pyarrow`` (``pip install 'zephon-torch[parquet]'``). The
+    source options are described in :class:`~zephon_torch.sources.SourceOptions`.
+
+    Args:
+        paths: A path, glob, directory or fsspec URL, or a list of them.
+            A path that exists is that file or folder, even with ``*``, ``?``
+            or ``[`` in its name (``shard[1].jsonl``); see ``expand_paths``.
+        columns: Columns to read (``None``: all); a str names one column.
+        on_error: ``"raise"``: a file that cannot be opened is an error;
+            ``"skip"``: it counts as an empty file, with a warning.
+
+    Returns:
+        A pipeline with no operators yet.
+
+    Raises:
+        FileNotFoundError: A path or glob that matches no file.
+        ValueError: A missing column, an unreadable file (with
+            ``on_error="raise"``) or an option out of range.
+        ImportError: ``pyarrow`` is not installed.
+    """
+    return _from_format(cls, "parquet", paths, locals(), columns=columns,
+                            on_error=on_error)
+
+@pipeline_class_method
+@document_source_options
+def from_text_files(
+    cls: type[Pipeline],
+    paths: str | Sequence[str],
+    *,
+    on_error: OnError = _TEXT_FILES.on_error,
+    field: str = _TEXT_FILES.field,
+    num_lanes: int = _SOURCE.num_lanes,
+    chunk_size: int = _SOURCE.chunk_size,
+    seed: int = _SOURCE.seed,
+    flush_every_k_chunks: int | None = _SOURCE.flush_every_k_chunks,
+    passes: int | None = _SOURCE.passes,
+    shuffle: bool = _SOURCE.shuffle,
+    exhausted: str = _SOURCE.exhausted,
+) -> Pipeline:
+    """Text files, each file one document.
+
+    Follow with ``.fetch().decode_text()``, which makes each file
+    ``{field: text}``. The source options are described in
+    :class:`~zephon_torch.sources.SourceOptions`.
+
+    Args:
+        paths: A path, glob, directory or fsspec URL, or a list of them
+            (any extension). A path that exists is that file or folder, even
+            with ``*``, ``?`` or ``[`` in its name; see ``expand_paths``.
+        on_error: ``"raise"`` or ``"skip"`` (a tombstone) for a file that
+            is not UTF-8.
+        field: The payload key the text goes to.
+
+    Returns:
+        A pipeline with no operators yet.
+
+    Raises:
+        FileNotFoundError: A path or glob that matches no file.
+        ValueError: An option out of range.
+    """
+    return _from_format(cls, "text_files", paths, locals(), on_error=on_error, field=field)

@@ -437,17 +437,13 @@ class LaneRun:
             raise wire.remote_error(*message[2:])
         ref = message[1]
         try:
-            events, outputs, pending, counters, read = shm.load(ref, self._directory,
-                                                                copy=True)[0]
+            events, outputs, pending, counters, read = worker.take(ref, self._directory)
         except FileNotFoundError:
             raise self._closed_error() if self._closing else RuntimeError(
                 f"the shared-memory segment {ref.name} of {worker.describe()} was removed "
                 f"before it was read, while the worker runs: something deletes files in "
                 f"{self._directory}; stop that, or set ZEPHON_SHM_DIR to a directory of "
                 "your own") from None
-        finally:
-            shm.unlink_ref(ref, self._directory)
-        worker.grant()
         on_chunk, on_drop = self.on_chunk, self.on_drop
         for kind, value in events:
             if kind == "chunk":

@@ -248,6 +248,20 @@ class CreditChild:
         """Give the child one more credit (the consumer took a message)."""
         self.send(CREDIT)
 
+    def take(self, ref: shm.BlockRef, directory: str) -> Any:
+        """The payload of a message's ``ref``, copied out; its segment is unlinked at once
+        and, once read, a credit goes back (:meth:`grant`).
+
+        Raises:
+            FileNotFoundError: The segment was removed before it was read.
+        """
+        try:
+            payload = shm.load(ref, directory, copy=True)[0]
+        finally:
+            shm.unlink_ref(ref, directory)
+        self.grant()
+        return payload
+
     def stop(self) -> None:
         """Ask the child to stop: resume it if it was stopped, then :data:`STOP`."""
         with self._lock:

@@ -517,14 +517,7 @@ class EngineProcess:
 
     def _read(self, ref: shm.BlockRef) -> Any:
         """The batch of a block; its segment is unlinked at once and a credit sent."""
-        try:
-            payload = shm.load(ref, self._directory, copy=True)[0]
-        finally:
-            if ref.name is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self._directory, ref.name))
-        self.credit()
-        return payload
+        return self._child.take(ref, self._directory)
 
     def close(self) -> None:
         """Stop the engine (politely, then SIGTERM, then SIGKILL) and sweep its segments."""

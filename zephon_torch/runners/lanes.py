@@ -72,19 +72,19 @@ kills the ones that do not, joins them all and unlinks every segment of the
 run. Workers ignore ``SIGINT`` (Ctrl-C reaches the whole process group and
 the main process decides) and exit when the main process goes away;
 ``SIGTERM`` to the main process tears the workers down as for the process
-runner's pool (``process.py``).
+runner's pool. Starting, the credit loop and the stop path are ``workers.py``'s,
+shared with the pool and the loader's engine process.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
+import functools
 import os
 import pickle
 import signal
 import sys
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -100,7 +100,20 @@ from zephon_torch.runners.assembly import (
     make_schedule,
     stage_contexts,
 )
-from zephon_torch.runners.process import describe_exit, reap, unwatch_sigterm, watch_sigterm
+from zephon_torch.runners.workers import (
+    CreditChild,
+    Ship,
+    child_signals,
+    describe_exit,
+    kill_now,
+    receive_job,
+    serve_credits,
+    start_child,
+    start_method,
+    stop_children,
+    unwatch_sigterm,
+    watch_sigterm,
+)
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.types import SampleBatch
 
@@ -108,15 +121,11 @@ __all__ = ["Finished", "LaneJob", "LaneRun", "start_method"]
 
 #: Messages a worker may have in transit by default (see the module doc).
 DEFAULT_PREFETCH = 4
-_CREDIT = b"c"
-_STOP = b"s"
 # Messages up to this size travel inside the ref, through the pipe. Credits bound what
 # waits in a pipe, and this keeps it under a pipe's buffer (64 KiB on Linux).
 _INLINE_LIMIT = 8 * 1024
 _POLL = 0.2  # seconds between checks while waiting for a worker or a credit
 _STOP_TIMEOUT = 2.0  # seconds a worker gets to stop by itself, then after SIGTERM
-_START_METHOD_ENV = "ZEPHON_LANES_START_METHOD"
-_START_METHODS = ("fork", "spawn", "forkserver")
 
 
 class Finished(NamedTuple):
@@ -158,19 +167,6 @@ class LaneJob:
     deterministic: bool
     state: Mapping[str, Any] | None
     finish: Callable[[SampleBatch], Any] | None
-
-
-def start_method() -> str:
-    """How lane workers start: ``ZEPHON_LANES_START_METHOD``, else fork where the
-    platform's default is fork (Linux), else spawn (see the module doc)."""
-    chosen = os.environ.get(_START_METHOD_ENV)
-    if chosen:
-        if chosen not in _START_METHODS:
-            raise ValueError(f"{_START_METHOD_ENV}={chosen!r}: use one of {list(_START_METHODS)}")
-        return chosen
-    if sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods():
-        return "fork"
-    return "spawn"
 
 
 # --------------------------------------------------------------------------- worker side
@@ -231,6 +227,12 @@ class _WorkerRun:
         pending = sorted(self.replay.acc.pending_lanes())
         return alive, (events, outputs, pending, counters, read)
 
+    def ship(self) -> tuple[Ship | None, tuple | None]:
+        """One :meth:`step` for the credit loop: its message, and the end once it came."""
+        alive, message = self.step()
+        return (None if message is None else Ship("units", message)), (None if alive
+                                                                        else ("end",))
+
     def close(self) -> None:
         self.engine.close()
         self.pool.close()
@@ -255,10 +257,9 @@ def _finished(unit: Any, finish: Callable[[SampleBatch], Any]) -> Any:
 def _worker_main(slot: int, job: LaneJob | None, control: Any, data: Any, directory: str,
                  prefix: str, credits: int, inherited: Sequence[Any]) -> None:
     """A lane worker: build the lanes' engine, then send a message per pump while credits last."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A forked worker inherits the parent's handlers (a pool's SIGTERM clean-up, a
     # trainer's): a SIGTERM to a worker just ends it; the main process reports that.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    child_signals(signal.SIG_DFL)
     for conn in inherited:  # a forked child holds the parent's ends of every pipe so far
         with contextlib.suppress(OSError):
             conn.close()
@@ -274,31 +275,11 @@ def _worker_main(slot: int, job: LaneJob | None, control: Any, data: Any, direct
     orphaned = False
     try:
         if job is None:  # spawned: the job comes first, by cloudpickle
-            message = wire.recv_from_parent(control, parent)
-            if message == _STOP:
+            job = receive_job(control, parent)
+            if job is None:
                 return
-            job = pickle.loads(message)
-            del message
         run = _WorkerRun(job)
-        while True:
-            # Wait for a credit before producing; take pending credits (or the stop) at once.
-            while credits == 0 or control.poll():
-                if wire.recv_from_parent(control, parent) == _STOP:
-                    return
-                credits += 1
-            alive, message = run.step()
-            if message is not None:
-                ref = writer.dump([message])
-                del message
-                try:
-                    wire.send_to_parent(data, pickle.dumps(("units", ref), protocol=wire.PROTOCOL))
-                except wire.Orphaned:
-                    writer.discard(ref)
-                    raise
-                credits -= 1
-            if not alive:
-                wire.send_to_parent(data, pickle.dumps(("end",), protocol=wire.PROTOCOL))
-                return
+        serve_credits(run.ship, control, data, writer, parent, credits)
     except wire.Orphaned:
         orphaned = True
     except BaseException as exc:
@@ -317,16 +298,14 @@ def _worker_main(slot: int, job: LaneJob | None, control: Any, data: Any, direct
 # --------------------------------------------------------------------------- main side
 
 
-class _Worker:
+class _Worker(CreditChild):
     """A lane worker process, its pipes and the main process's view of its progress."""
 
     def __init__(self, slot: int, lanes: list[int], process: Any, control: Any,
                  data: Any, pending: set[int]) -> None:
+        super().__init__(process, control, data)
         self.slot = slot
         self.lanes = lanes
-        self.process = process
-        self.control = control  # our sending end
-        self.data = data  # our receiving end
         self.done = False  # its "end" has been received
         self.pending = pending  # its lanes still replaying, as of its last message
         self.counters: dict[str, dict[str, int]] = {}
@@ -387,36 +366,35 @@ class LaneRun:
                 return
             self._started = True
             method = start_method()
-            ctx = multiprocessing.get_context(method)
+            forked = method == "fork"
             shm.sweep_stale(self._directory)
             ours: list[Any] = []  # our ends so far: a forked child must close them
             try:
                 for slot, job in enumerate(self.jobs):
-                    control_r, control_w = ctx.Pipe(duplex=False)
-                    data_r, data_w = ctx.Pipe(duplex=False)
-                    forked = method == "fork"
-                    process = ctx.Process(
-                        target=_worker_main, name=f"zephon-lanes-{slot}", daemon=True,
-                        args=(slot, job if forked else None, control_r, data_w,
-                              self._directory, self._prefix, self.prefetch,
-                              [*ours, control_w, data_r] if forked else []),
+                    process, control_w, data_r = start_child(
+                        method, _worker_main, name=f"zephon-lanes-{slot}", daemon=True,
+                        args=functools.partial(self._worker_args, slot,
+                                               job if forked else None, ours if forked else None),
                     )
-                    try:
-                        process.start()
-                    finally:
-                        control_r.close()  # the child has its own; ours would hide its EOF
-                        data_w.close()
                     ours += [control_w, data_r]
                     self.workers.append(_Worker(
                         slot, list(job.lanes), process, control_w, data_r,
                         {lane for lane in job.lanes if lane in self._replaying}))
-                if method != "fork":
+                if not forked:
                     self._send_jobs()
             except BaseException:
                 self._closing = True
                 self._finalizer()
                 raise
             watch_sigterm(self._teardown)
+
+    def _worker_args(self, slot: int, job: LaneJob | None, ours: list[Any] | None,
+                     control_r: Any, data_w: Any, control_w: Any, data_r: Any) -> tuple:
+        """``_worker_main``'s arguments; a forked worker gets its job, and every end of
+        ours so far to close (``ours``)."""
+        inherited = [] if ours is None else [*ours, control_w, data_r]
+        return (slot, job, control_r, data_w, self._directory, self._prefix, self.prefetch,
+                inherited)
 
     def _send_jobs(self) -> None:
         import cloudpickle  # user functions in the pipeline travel by value
@@ -430,8 +408,7 @@ class LaneRun:
                     f"cloudpickle, and pickling it failed: {exc}. Keep open files, locks and "
                     "clients out of operators' attributes (create them in setup())"
                 ) from exc
-            with contextlib.suppress(OSError):  # a worker that died is reported by pump()
-                worker.control.send_bytes(blob)
+            worker.send(blob)  # a worker that died is reported by pump()
 
     # ------------------------------------------------------------------ driving
 
@@ -460,18 +437,13 @@ class LaneRun:
             raise wire.remote_error(*message[2:])
         ref = message[1]
         try:
-            events, outputs, pending, counters, read = shm.load(ref, self._directory,
-                                                                copy=True)[0]
+            events, outputs, pending, counters, read = worker.take(ref, self._directory)
         except FileNotFoundError:
             raise self._closed_error() if self._closing else RuntimeError(
                 f"the shared-memory segment {ref.name} of {worker.describe()} was removed "
                 f"before it was read, while the worker runs: something deletes files in "
                 f"{self._directory}; stop that, or set ZEPHON_SHM_DIR to a directory of "
                 "your own") from None
-        finally:
-            shm.unlink_ref(ref, self._directory)
-        with contextlib.suppress(OSError):
-            worker.control.send_bytes(_CREDIT)
         on_chunk, on_drop = self.on_chunk, self.on_drop
         for kind, value in events:
             if kind == "chunk":
@@ -559,7 +531,7 @@ class LaneRun:
 class _Teardown:
     """Stops the workers of a run and sweeps its segments (at close, collection or SIGTERM).
 
-    Registered with the process runner's SIGTERM handling (``process.py``) for
+    Registered with the SIGTERM handling of worker processes (``workers.py``) for
     as long as the workers run.
     """
 
@@ -575,15 +547,8 @@ class _Teardown:
             return
         unwatch_sigterm(self)
         workers = self.workers
+        stop_children(workers, _STOP_TIMEOUT, _STOP_TIMEOUT)
         for worker in workers:
-            with contextlib.suppress(OSError):
-                os.kill(worker.process.pid, signal.SIGCONT)  # a stopped one could not stop
-            with contextlib.suppress(OSError):
-                worker.control.send_bytes(_STOP)
-        reap([worker.process for worker in workers], _STOP_TIMEOUT, _STOP_TIMEOUT)
-        for worker in workers:
-            with contextlib.suppress(OSError):
-                worker.control.close()
             with contextlib.suppress(OSError):
                 worker.data.close()
         shm.sweep_prefix(self.directory, self.prefix)
@@ -592,11 +557,5 @@ class _Teardown:
         """Kill the workers and unlink the segments, from a SIGTERM handler (``process.py``)."""
         if os.getpid() != self.pid:  # a forked child: these are its parent's
             return
-        for worker in self.workers:
-            with contextlib.suppress(Exception):
-                worker.process.kill()
-        deadline = time.monotonic() + 5.0
-        for worker in self.workers:
-            with contextlib.suppress(Exception):
-                worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        kill_now([worker.process for worker in self.workers])
         shm.sweep_prefix(self.directory, self.prefix)

@@ -55,7 +55,8 @@ after ``shutdown_timeout``, joins them all, and unlinks every segment of the
 pool, including orphans of workers that died mid-write. Ctrl-C raises
 ``KeyboardInterrupt`` (workers ignore ``SIGINT``), so the pool closes as the
 stack unwinds; ``SIGTERM``, whose default action skips all of that, gets a
-handler of its own while a pool is alive (see :func:`_on_sigterm`).
+handler of its own while a pool is alive (see ``workers.py``, where every
+kind of worker process is started and stopped).
 """
 
 from __future__ import annotations
@@ -63,11 +64,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import itertools
-import multiprocessing
 import os
 import pickle
 import queue
-import signal
 import threading
 import time
 import weakref
@@ -82,150 +81,30 @@ from zephon_torch.runners import shm, wire
 from zephon_torch.runners.base import Pool
 from zephon_torch.runners.wire import WorkerTraceback
 from zephon_torch.runners.worker import worker_main
+from zephon_torch.runners.workers import (
+    SigtermGuard,
+    describe_exit,
+    kill_now,
+    reap,
+    start_child,
+    unwatch_sigterm,
+    watch_sigterm,
+)
 
-# WorkerTraceback lives in wire.py; it stays importable from here.
+# WorkerTraceback lives in wire.py, the process lifetime helpers in workers.py; they
+# stay importable from here.
 __all__ = ["ProcessPool", "SigtermGuard", "WorkerTraceback", "describe_exit", "reap",
            "unwatch_sigterm", "watch_sigterm"]
 
 _START_METHODS = ("spawn", "forkserver")
 
 
-# --------------------------------------------------------------------------- lifetime
-
-
-def reap(processes: Sequence[Any], grace: float, after_terminate: float) -> None:
-    """Join child processes that were asked to stop, forcing the ones that do not.
-
-    Each gets until ``grace`` seconds from now to end by itself, then
-    ``SIGTERM`` and ``after_terminate`` more seconds, then ``SIGKILL``; all
-    are joined when this returns.
-    """
-    deadline = time.monotonic() + grace
-    for process in processes:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(timeout=after_terminate)
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
 # --------------------------------------------------------------------------- errors
-
-
-def describe_exit(code: int | None) -> str:
-    """How a child process ended, for error messages (``code`` is its exitcode)."""
-    if code is None:
-        return "stopped answering (exit status unknown)"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def _fail(future: cf.Future, exc: BaseException) -> None:
     with contextlib.suppress(cf.InvalidStateError):  # cancelled or already done
         future.set_exception(exc)
-
-
-# --------------------------------------------------------------------------- SIGTERM
-
-# SIGTERM is what schedulers, torchrun and ``kill`` send. Its default action ends
-# the process at once, with no ``finally`` and no finalizer, which would leave
-# every segment of a live pool in /dev/shm until some later pool's stale sweep
-# (SIGINT does not have this problem: it raises KeyboardInterrupt and the pools
-# close as the stack unwinds). So while a pool is alive the main thread's SIGTERM
-# handler is ours. It never swallows the signal:
-#
-# * if a Python handler was installed before ours (Lightning, a trainer, the
-#   loader's engine process), that handler is called and decides: it may raise
-#   (SystemExit, KeyboardInterrupt: the pools then close while the stack unwinds,
-#   as on Ctrl-C) or return to stop gracefully later (the pools stay usable);
-# * if the previous disposition was the default, the live pools are torn down
-#   on the spot (workers killed, segments unlinked) and the signal is raised
-#   again with the default action, so the process still dies by SIGTERM and its
-#   parent sees the usual status.
-#
-# A SIGTERM that was ignored (SIG_IGN) or handled in C (no Python handler to
-# chain to) stays as it is. The handler is put back when the last pool closes,
-# if nobody replaced ours meanwhile and the close happens on the main thread.
-# Pools of this process whose clean-up SIGTERM must do (anything with a
-# ``terminate_now()``: a pool's supervisor, a lane run's teardown, a guard).
-_LIVE: set[Any] = set()
-_sigterm_previous: Any = signal.SIG_DFL  # the disposition ours replaced when installed
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM while pools live: chain to an earlier Python handler, else tear down and die."""
-    previous = _sigterm_previous
-    if callable(previous):
-        previous(signum, frame)
-        return
-    # The process is about to die by the default action: no second run of this
-    # clean-up if the signal comes again meanwhile.
-    signal.signal(signum, signal.SIG_IGN)
-    for supervisor in list(_LIVE):
-        with contextlib.suppress(Exception):
-            supervisor.terminate_now()
-    signal.signal(signum, signal.SIG_DFL)
-    # raise_signal delivers to this thread before it returns; the default action
-    # ends the whole process with the status a SIGTERM gives.
-    signal.raise_signal(signum)
-    raise SystemExit(128 + signum)  # not reached unless the signal was blocked
-
-
-def watch_sigterm(supervisor: Any) -> None:
-    """Count ``supervisor`` as live, installing our SIGTERM handler if we can."""
-    global _sigterm_previous
-    _LIVE.add(supervisor)
-    # signal.signal works only on the main thread; a pool started elsewhere is
-    # still cleaned up by a handler installed for another pool, else not at all.
-    if threading.current_thread() is not threading.main_thread():
-        return
-    current = signal.getsignal(signal.SIGTERM)
-    if current is _on_sigterm or current is None or current == signal.SIG_IGN:
-        return  # already ours; or a C-level handler we could not chain; or ignored
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    _sigterm_previous = current
-
-
-def unwatch_sigterm(supervisor: Any) -> None:
-    """Forget ``supervisor``; the last one puts the previous SIGTERM handler back."""
-    _LIVE.discard(supervisor)
-    if _LIVE or threading.current_thread() is not threading.main_thread():
-        return  # off the main thread ours stays: with no live pool it only passes it on
-    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-        signal.signal(signal.SIGTERM, _sigterm_previous)
-    # Otherwise someone replaced ours; _sigterm_previous stays, for a handler of
-    # theirs that passes the signal on to ours.
-
-
-class SigtermGuard:
-    """Our SIGTERM handling, installed on the main thread for pools started on others.
-
-    ``signal.signal`` works on the main thread only, so a pool started on
-    another thread (the pipeline of an in-process ``zephon_torch.DataLoader``
-    runs on its prefetch thread) cannot install the handler itself. A guard
-    made on the main thread installs it for as long as the guard is held;
-    the pools register themselves as live wherever they start, and the
-    handler tears down whichever are live when the signal comes. The guard
-    itself owns nothing to tear down.
-    """
-
-    def __init__(self) -> None:
-        watch_sigterm(self)
-
-    def terminate_now(self) -> None:
-        """Nothing of its own: the live pools are torn down by the handler."""
-
-    def release(self) -> None:
-        """Stop holding the handler (it is put back when nothing else holds it)."""
-        unwatch_sigterm(self)
 
 
 # --------------------------------------------------------------------------- main side
@@ -301,7 +180,7 @@ class _Supervisor:
         self.prefix = prefix
         self.inline_limit = inline_limit
         self.shutdown_timeout = shutdown_timeout
-        self.mp = multiprocessing.get_context(start_method)
+        self.start_method = start_method
         self.owner = os.getpid()
         self.lock = threading.RLock()
         self.workers: list[_Worker | None] = [None] * num_workers
@@ -330,17 +209,11 @@ class _Supervisor:
     # ------------------------------------------------------------------ workers
 
     def _start(self, slot: int) -> _Worker:
-        task_r, task_w = self.mp.Pipe(duplex=False)
-        result_r, result_w = self.mp.Pipe(duplex=False)
-        process = self.mp.Process(
-            target=worker_main, name=f"zephon-worker-{slot}", daemon=True,
-            args=(slot, task_r, result_w, self.directory, self.prefix, self.inline_limit),
+        process, task_w, result_r = start_child(
+            self.start_method, worker_main, name=f"zephon-worker-{slot}", daemon=True,
+            args=lambda task_r, result_w, *_: (slot, task_r, result_w, self.directory,
+                                               self.prefix, self.inline_limit),
         )
-        try:
-            process.start()
-        finally:
-            task_r.close()  # the child has its own copies; ours would hide its EOF
-            result_w.close()
         worker = _Worker(slot, process, task_w, result_r)
         # The operators go as the first message, not as process arguments, so
         # that start() never blocks writing a large pickle to a child still booting.
@@ -605,15 +478,7 @@ class _Supervisor:
         finally:
             if locked:
                 self.lock.release()
-        sentinels = []
-        for worker in workers:
-            with contextlib.suppress(Exception):
-                worker.process.kill()
-                sentinels.append(worker.process.sentinel)
-        deadline = time.monotonic() + 5.0
-        while sentinels and time.monotonic() < deadline:
-            done = mp_connection.wait(sentinels, max(0.0, deadline - time.monotonic()))
-            sentinels = [s for s in sentinels if s not in done]
+        kill_now([worker.process for worker in workers])
         shm.sweep_prefix(self.directory, f"{self.prefix}-")
 
     def shutdown(self) -> None:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import signal
 from typing import Any
 
 from zephon_torch.block import Block
 from zephon_torch.ops.base import Operator, check_elements
 from zephon_torch.runners import shm, wire
 from zephon_torch.runners.base import run_unit
+from zephon_torch.runners.workers import child_signals
 from zephon_torch.sources.base import thread_bytes_read
 
 __all__ = ["worker_main"]
@@ -37,7 +37,7 @@ def worker_main(slot: int, tasks: Any, results: Any, directory: str, prefix: str
                 inline_limit: int) -> None:
     """A worker process: set up the operators, then run tasks in arrival order."""
     # Ctrl-C goes to the whole process group; the main process handles it and closes us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    child_signals()
     pid = os.getpid()
     writer = shm.Writer(directory, f"{prefix}-{pid}", inline_limit)
     try:

@@ -40,7 +40,8 @@ Two producers, one loop (:func:`run_pipeline`):
 Flow control is by credits: the engine produces a batch only when it holds
 a credit; the loader grants ``credits`` at start and one more for each
 batch it takes off the pipe, so at most that many finished batches (and
-their segments) wait in transit.
+their segments) wait in transit. The loop and its protocol are the lane
+workers' (``runners/workers.py``, where the engine is started and stopped too).
 
 Segments are named ``<loader prefix>-<engine pid>-<seq>``, where the loader
 prefix (``shm.new_prefix()`` in the training process) starts with the
@@ -71,35 +72,42 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import multiprocessing
 import os
 import pickle
 import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from zephon_torch.runners import shm
 from zephon_torch.runners.lanes import Finished
-from zephon_torch.runners.process import WorkerTraceback, describe_exit
 from zephon_torch.runners.wire import (
     Orphaned,
-    exception_parts,
-    recv_from_parent,
+    WorkerTraceback,
+    error_message,
     revived_exception,
-    send_to_parent,
+)
+from zephon_torch.runners.workers import (
+    CREDIT,
+    STOP,
+    CreditChild,
+    Ship,
+    child_signals,
+    describe_exit,
+    exit_on_sigterm,
+    receive_job,
+    serve_credits,
+    start_child,
+    stop_children,
 )
 
 __all__ = ["EngineProcess", "EngineSpec", "InProcessProducer", "finish_batch", "open_iterator",
            "run_pipeline"]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
-_CREDIT = b"c"
-_STOP = b"s"
 # Batches up to this size travel inside the message: a few small records are
 # cheaper through the pipe than through a create/write/read/unlink of a file.
 _INLINE_LIMIT = 16 * 1024
@@ -283,33 +291,25 @@ def _decode(payload: Any) -> Any:
     return {k: torch.from_numpy(v.array) if type(v) is _Array else v for k, v in payload.items()}
 
 
-def _error_reply(exc: BaseException) -> bytes:
-    text = "".join(traceback.format_exception(exc))
-    return pickle.dumps(("error", *exception_parts(exc), text), protocol=_PROTOCOL)
+_ERROR_HEADER = "Traceback in the zephon loader's engine process:"
 
 
 def _remote_error(blob: bytes | None, name: str, message: str, text: str) -> BaseException:
+    """The exception of an error message (``wire.error_message``) from the engine."""
     exc = revived_exception(blob)
     if not isinstance(exc, BaseException):
         exc = RuntimeError(f"{name}: {message} (raised in the zephon loader's engine process; "
                            f"it could not be pickled back)")
-    exc.__cause__ = WorkerTraceback(f"Traceback in the zephon loader's engine process:\n{text}")
+    exc.__cause__ = WorkerTraceback(text)
     return exc
 
 
 # --------------------------------------------------------------------------- engine side
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    # Once: the clean-up that SystemExit triggers must not be interrupted again.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(128 + signum)
-
-
 def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: int) -> None:
     """The engine process: receive the spec, iterate, send batches while credits last."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    child_signals(exit_on_sigterm)
     parent = os.getppid()
     own = f"{prefix}-{os.getpid()}"
     writer = shm.Writer(directory, own, _INLINE_LIMIT)
@@ -317,32 +317,11 @@ def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: 
     terminated = False  # SIGTERM ended us
     events: Any = None
     try:
-        message = recv_from_parent(control, parent)
-        if message == _STOP:
+        spec = receive_job(control, parent)
+        if spec is None:
             return
-        spec = pickle.loads(message)
-        del message
         events = run_pipeline(spec)
-        while True:
-            # Wait for a credit before producing, and take every pending message
-            # (credits, or the stop) without waiting when there is one.
-            while credits == 0 or control.poll():
-                if recv_from_parent(control, parent) == _STOP:
-                    return
-                credits += 1
-            event = next(events)
-            if event[0] == "end":
-                send_to_parent(data, pickle.dumps(event, protocol=_PROTOCOL))
-                return
-            _, payload, state = event
-            ref = writer.dump([_encode(payload)])
-            del payload, event
-            try:
-                send_to_parent(data, pickle.dumps(("batch", ref, state), protocol=_PROTOCOL))
-            except Orphaned:
-                writer.discard(ref)
-                raise
-            credits -= 1
+        serve_credits(functools.partial(_ship, events), control, data, writer, parent, credits)
     except Orphaned:
         orphaned = True
     except SystemExit:
@@ -352,7 +331,7 @@ def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: 
         raise
     except BaseException as exc:
         with contextlib.suppress(OSError):
-            data.send_bytes(_error_reply(exc))
+            data.send_bytes(error_message("error", -1, exc, _ERROR_HEADER))
     finally:
         if events is not None:
             events.close()  # closes the pipeline iterator: joins its workers, frees its segments
@@ -360,6 +339,16 @@ def _engine_main(data: Any, control: Any, directory: str, prefix: str, credits: 
             orphaned = _reader_gone(control, _READER_GRACE)
         if orphaned:
             shm.sweep_prefix(directory, f"{own}-")
+
+
+def _ship(events: Iterator[tuple]) -> tuple[Ship | None, tuple | None]:
+    """One event of :func:`run_pipeline` for the credit loop: a batch (its payload through
+    a segment, its state in the message), or the end."""
+    event = next(events)
+    if event[0] == "end":
+        return None, event
+    _, payload, state = event
+    return Ship("batch", _encode(payload), (state,)), None
 
 
 def _reader_gone(control: Any, timeout: float) -> bool:
@@ -378,7 +367,7 @@ def _reader_gone(control: Any, timeout: float) -> bool:
         try:
             if remaining <= 0 or not control.poll(remaining):
                 return False  # alive, and not closing this loader (yet)
-            if control.recv_bytes() == _STOP:
+            if control.recv_bytes() == STOP:
                 return False
         except (EOFError, OSError):
             return True
@@ -408,15 +397,13 @@ class EngineProcess:
         self._prefix = shm.new_prefix()
         self._lock = threading.Lock()  # guards the control pipe and the process handle
         self._closing = False
-        self._process: Any = None
-        self._control: Any = None
-        self._data: Any = None
+        self._child: CreditChild | None = None
 
     @property
     def pid(self) -> int | None:
         """The engine's pid once started (tests and diagnostics)."""
-        process = self._process
-        return None if process is None else process.pid
+        child = self._child
+        return None if child is None else child.process.pid
 
     @property
     def prefix(self) -> str:
@@ -424,23 +411,16 @@ class EngineProcess:
         return self._prefix
 
     def _start(self) -> bool:
-        ctx = multiprocessing.get_context("spawn")
         with self._lock:
             if self._closing:
                 return False
             shm.sweep_stale(self._directory)
-            data_r, data_w = ctx.Pipe(duplex=False)
-            control_r, control_w = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=_engine_main, name="zephon-loader-engine", daemon=False,
-                args=(data_w, control_r, self._directory, self._prefix, self._credits),
+            process, control, data = start_child(
+                "spawn", _engine_main, name="zephon-loader-engine", daemon=False,
+                args=lambda control_r, data_w, *_: (data_w, control_r, self._directory,
+                                                    self._prefix, self._credits),
             )
-            try:
-                process.start()
-            finally:
-                data_w.close()  # the child has its copies; ours would hide its EOF
-                control_r.close()
-            self._process, self._control, self._data = process, control_w, data_r
+            self._child = CreditChild(process, control, data)
         # The spec goes as the first message rather than a process argument, and from
         # this thread: a large pipeline (in-memory items) may take a while to send.
         self._send(self._blob)
@@ -449,14 +429,13 @@ class EngineProcess:
 
     def _send(self, message: bytes) -> None:
         with self._lock:
-            if self._control is None or (self._closing and message != _STOP):
+            if self._child is None or self._closing:
                 return
-            with contextlib.suppress(OSError):
-                self._control.send_bytes(message)
+            self._child.send(message)
 
     def credit(self) -> None:
         """Let the engine produce one more batch."""
-        self._send(_CREDIT)
+        self._send(CREDIT)
 
     def events(self) -> Iterator[tuple]:
         """Start the engine; yield ``("batch", payload, state)`` events, then ``("end", state)``.
@@ -468,7 +447,7 @@ class EngineProcess:
         """
         if not self._start():
             return
-        data = self._data
+        data = self._child.data
         try:
             while True:
                 try:
@@ -493,7 +472,7 @@ class EngineProcess:
                     yield message
                     return
                 else:
-                    raise _remote_error(*message[1:])
+                    raise _remote_error(*message[2:])
         finally:
             # Only this (reading) thread closes the data pipe: closing it under a
             # blocked recv from another thread could hand its fd number to a new file.
@@ -507,7 +486,7 @@ class EngineProcess:
             missing: The segment of a batch that was not there to read, if that
                 is how the end showed.
         """
-        process = self._process
+        process = self._child.process
         # A missing segment means the engine still runs (it removes the batches it sent
         # only once their reader is gone): no long wait for an exit that will not come.
         process.join(timeout=0.5 if missing is not None else _TERM_TIMEOUT)
@@ -538,14 +517,7 @@ class EngineProcess:
 
     def _read(self, ref: shm.BlockRef) -> Any:
         """The batch of a block; its segment is unlinked at once and a credit sent."""
-        try:
-            payload = shm.load(ref, self._directory, copy=True)[0]
-        finally:
-            if ref.name is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self._directory, ref.name))
-        self.credit()
-        return payload
+        return self._child.take(ref, self._directory)
 
     def close(self) -> None:
         """Stop the engine (politely, then SIGTERM, then SIGKILL) and sweep its segments."""
@@ -553,25 +525,12 @@ class EngineProcess:
             if self._closing:
                 return
             self._closing = True
-            process = self._process
-        if process is None:
+            child = self._child
+        if child is None:
             return
-        if process.is_alive():
-            # A stopped engine (SIGSTOP, a debugger; the loader's timeout= may be why it is
-            # closed) could neither answer the stop nor handle SIGTERM: let it run again.
-            with contextlib.suppress(OSError):
-                os.kill(process.pid, signal.SIGCONT)
-        self._send(_STOP)
-        process.join(timeout=_STOP_TIMEOUT)
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout=_TERM_TIMEOUT)
-        killed = process.is_alive()
-        if killed:
-            process.kill()
-            process.join()
-        with self._lock, contextlib.suppress(OSError):
-            self._control.close()
+        # A stopped engine (SIGSTOP, a debugger; the loader's timeout= may be why it is
+        # closed) could neither answer the stop nor handle SIGTERM: stop_children resumes it.
+        killed = stop_children([child], _STOP_TIMEOUT, _TERM_TIMEOUT)
         shm.sweep_prefix(self._directory, self._prefix)
         if killed:  # its pool's segments are named after it, and it is dead now
             shm.sweep_stale(self._directory)

@@ -1,6 +1,6 @@
 """Checkpoints: states, their checks and merge.
 
-**Progress** is kept by the iterator's books (``accounting.py``): per lane,
+**Progress** is kept by the iterator's books (``lane_progress.py``): per lane,
 the registered chunks, the epochs done (the ``flush_every_k_chunks``
 chunks between two flush sentinels of a lane; one chunk each when there
 are no sentinels) and the cursor of the last record delivered. A state is

@@ -304,7 +304,7 @@ def test_rows_of_a_block_are_counted_as_their_records_would_be(data: st.DataObje
 def test_a_chunks_closed_offsets_are_a_set_however_they_are_held(ops: list[Any]) -> None:
     # Runs closed in order move a prefix instead of filling a set; the offsets
     # closed, and how many, must be those of a plain set.
-    from zephon_torch.accounting import _ChunkProgress
+    from zephon_torch.lane_progress import _ChunkProgress
     from zephon_torch.sources.schedule import ScheduleState
 
     progress = _ChunkProgress(10, ScheduleState(0, (0,)))

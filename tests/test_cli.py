@@ -12,7 +12,7 @@ import pytest
 from corpus import documents, write_jsonl
 from fixtures_tokenizer import train_test_tokenizer
 
-from zephon_torch import cli
+from zephon_torch import _cli_bench, cli
 from zephon_torch.runners.iterator import PipelineIterator
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,7 +117,7 @@ def test_bench_names_the_available_benchmarks_for_an_unknown_one() -> None:
 def test_bench_without_a_source_checkout_explains_itself(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "_BENCHMARKS", tmp_path / "benchmarks")
+    monkeypatch.setattr(_cli_bench, "_BENCHMARKS", tmp_path / "benchmarks")
     assert cli.main(["bench"]) == 2
     assert "source checkout" in capsys.readouterr().err
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from zephon_torch import cli
+from zephon_torch import _cli_inspect, cli
 from zephon_torch.pipeline import Pipeline, SourceConfig
 from zephon_torch.sources import SourceOptions
 from zephon_torch.sources import datasets as zd
@@ -134,9 +134,9 @@ def test_a_registered_format_is_offered_by_the_command_line(
         command_line=CommandLineFormat(name="csv", label="CSV", suffixes=(".csv",),
                                        endings=(".csv",), rank=-1)))
     (tmp_path / "a.csv").write_text("x,y\n")
-    assert cli._format_of("data/*.csv") == "csv"
-    assert cli._folder_files(tmp_path, "auto") == ("csv", [str(tmp_path / "a.csv")])
-    source = cli._source_for(str(tmp_path / "a.csv"), "auto", num_lanes=1)
+    assert _cli_inspect._format_of("data/*.csv") == "csv"
+    assert _cli_inspect._folder_files(tmp_path, "auto") == ("csv", [str(tmp_path / "a.csv")])
+    source = _cli_inspect._source_for(str(tmp_path / "a.csv"), "auto", num_lanes=1)
     assert [d.kind for d in source.source.datasets] == ["text_files"]
     inspect_parser = cli._parser()._subparsers._group_actions[0].choices["inspect"]
     choices = next(a.choices for a in inspect_parser._actions if a.dest == "format")

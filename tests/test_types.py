@@ -382,7 +382,7 @@ def test_records_built_in_one_sweep_are_those_the_constructors_build(rows, data)
 
 
 def test_the_drafts_have_the_layout_of_the_types_they_become():
-    from zephon_torch.types import _MetaDraft, _RecordDraft
+    from zephon_torch._types_records import _MetaDraft, _RecordDraft
 
     assert _MetaDraft.__slots__ == SampleMeta.__slots__
     assert _RecordDraft.__slots__ == SampleRecord.__slots__

@@ -1,6 +1,6 @@
 """Checkpoints: states, their checks and merge.
 
-**Progress** is kept by the iterator's books (``accounting.py``): per lane,
+**Progress** is kept by the iterator's books (``lane_progress.py``): per lane,
 the registered chunks, the epochs done (the ``flush_every_k_chunks``
 chunks between two flush sentinels of a lane; one chunk each when there
 are no sentinels) and the cursor of the last record delivered. A state is
@@ -52,7 +52,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from zephon_torch.accounting import LaneProgress, ProgressTracker
+from zephon_torch.accounting import ProgressTracker
 from zephon_torch.fingerprint import (
     data_changes,
     describe_difference,
@@ -60,6 +60,7 @@ from zephon_torch.fingerprint import (
     fingerprint_parts,
     is_detail,
 )
+from zephon_torch.lane_progress import LaneProgress
 from zephon_torch.ops.base import Operator, operator_class
 from zephon_torch.replay import ReplayFilter  # a public name here since it was defined here
 from zephon_torch.sources.schedule import ScheduleState

@@ -41,7 +41,7 @@ Lightning call (Lightning 2.x on ``loader.sampler`` and
 ``loader.batch_sampler.sampler``); it imports nothing of torch.
 
 Not to be confused with a *lane's* epochs in ``checkpoint.py`` and
-``accounting.py``: the ``flush_every_k_chunks`` chunks between two flush
+``lane_progress.py``: the ``flush_every_k_chunks`` chunks between two flush
 sentinels of a lane, the unit a resume replays.
 """
 

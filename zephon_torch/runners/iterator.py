@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zephon_torch import logs
-from zephon_torch.accounting import Accounting, Throughput
+from zephon_torch.accounting import Accounting
 from zephon_torch.block import MIXED, Block, BlockBatch, PlainRows, Sentinel
 from zephon_torch.checkpoint import fingerprint_parts, refuse_nondeterministic
 from zephon_torch.epochs import check_epoch, check_state_epoch, epoch_pipeline
@@ -73,6 +73,7 @@ from zephon_torch.runners.base import Pool
 from zephon_torch.runners.lanes import Finished, LaneJob, LaneRun
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.sources.schedule import Chunk
+from zephon_torch.throughput import Throughput
 from zephon_torch.topology import lane_shares, owned_lanes, resolve_topology
 from zephon_torch.types import SampleBatch, SampleRecord, records_from_columns
 from zephon_torch.vocab import FLUSH_SENTINEL_TAG, TOMBSTONE_TAG

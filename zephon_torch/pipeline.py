@@ -47,6 +47,7 @@ from zephon_torch.ops.tokenize import Tokenize
 from zephon_torch.ops.tokenize_chat import TokenizeChat
 from zephon_torch.ops.transform import Filter, MapTransform
 from zephon_torch.planner import CompiledStage, compile_plan, flush_every, stage_names
+from zephon_torch.runners.options import RunOptions
 from zephon_torch.sources import datasets as _datasets
 from zephon_torch.sources.base import Dataset
 from zephon_torch.sources.formats.registry import format_named
@@ -953,11 +954,12 @@ class Pipeline:
         """
         from zephon_torch.runners.iterator import PipelineIterator
 
-        return PipelineIterator(
-            self, runner=runner, num_workers=num_workers, deterministic=deterministic,
+        options = RunOptions(  # checked here, once
+            runner=runner, num_workers=num_workers, deterministic=deterministic,
             rank=rank, world_size=world_size, microbatch_sizes=microbatch_sizes, lanes=lanes,
             verify=verify, task_timeout=task_timeout, epoch=epoch,
         )
+        return PipelineIterator(self, options)
 
     def num_batches(self, *, rank: int | None = None, world_size: int | None = None,
                     lanes: Sequence[int] | None = None) -> int | None:

@@ -45,6 +45,7 @@ from zephon_torch.ops.base import Operator
 from zephon_torch.ops.placement import with_placement
 from zephon_torch.pipeline_sources import SourceConfig
 from zephon_torch.planner import CompiledStage, compile_plan, flush_every, stage_names
+from zephon_torch.runners.options import RunOptions
 from zephon_torch.topology import worker_lanes
 
 if TYPE_CHECKING:
@@ -236,11 +237,12 @@ class Pipeline:
         """
         from zephon_torch.runners.iterator import PipelineIterator
 
-        return PipelineIterator(
-            self, runner=runner, num_workers=num_workers, deterministic=deterministic,
+        options = RunOptions(  # checked here, once
+            runner=runner, num_workers=num_workers, deterministic=deterministic,
             rank=rank, world_size=world_size, microbatch_sizes=microbatch_sizes, lanes=lanes,
             verify=verify, task_timeout=task_timeout, epoch=epoch,
         )
+        return PipelineIterator(self, options)
 
     def num_batches(self, *, rank: int | None = None, world_size: int | None = None,
                     lanes: Sequence[int] | None = None) -> int | None:

@@ -125,12 +125,18 @@ def make_pools(compiled: Sequence[Any], ctxs: list[OpContext], remote: Sequence[
         raise
 
 
-def _local_pool(ops: list[Any], ctxs: list[OpContext], *, runner: str, num_workers: int,
-                task_timeout: float | None) -> Pool:
-    if runner == "inline":
-        return InlinePool(ops, ctxs)
-    if runner == "threads":
-        return ThreadPool(ops, ctxs, num_workers)
+def _inline_pool(ops: list[Any], ctxs: list[OpContext], num_workers: int,
+                 task_timeout: float | None) -> Pool:
+    return InlinePool(ops, ctxs)
+
+
+def _thread_pool(ops: list[Any], ctxs: list[OpContext], num_workers: int,
+                 task_timeout: float | None) -> Pool:
+    return ThreadPool(ops, ctxs, num_workers)
+
+
+def _process_pool(ops: list[Any], ctxs: list[OpContext], num_workers: int,
+                  task_timeout: float | None) -> Pool:
     from zephon_torch.runners.process import ProcessPool
 
     pool = ProcessPool(ops, ctxs, num_workers, task_timeout=task_timeout)
@@ -138,6 +144,19 @@ def _local_pool(ops: list[Any], ctxs: list[OpContext], *, runner: str, num_worke
         if op.traits().inline:  # run on this thread: set up here too
             op.setup(ctx)
     return pool
+
+
+#: The local pool of each stage-pool runner (``executor.StagePoolExecutor``).
+_POOLS: dict[str, Callable[[list[Any], list[OpContext], int, float | None], Pool]] = {
+    "inline": _inline_pool,
+    "threads": _thread_pool,
+    "process": _process_pool,
+}
+
+
+def _local_pool(ops: list[Any], ctxs: list[OpContext], *, runner: str, num_workers: int,
+                task_timeout: float | None) -> Pool:
+    return _POOLS[runner](ops, ctxs, num_workers, task_timeout)
 
 
 def make_stages(compiled: Sequence[Any], ctxs: Sequence[OpContext], *, remote: Sequence[int],

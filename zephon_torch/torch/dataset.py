@@ -66,7 +66,7 @@ import torch.utils.data
 from zephon_torch.checkpoint import merge_states
 from zephon_torch.epochs import check_epoch
 from zephon_torch.pipeline import Pipeline
-from zephon_torch.runners.iterator import ITER_KWARGS
+from zephon_torch.runners.options import ITER_KWARGS
 from zephon_torch.topology import owned_lanes, resolve_topology, worker_lanes
 
 if TYPE_CHECKING:

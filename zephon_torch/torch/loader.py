@@ -160,7 +160,12 @@ from zephon_torch.checkpoint import (
 from zephon_torch.epochs import EpochCounter, check_epoch, state_epoch
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.assembly import remote_stages
-from zephon_torch.runners.iterator import ITER_KWARGS, RUNNERS
+from zephon_torch.runners.options import (
+    ITER_KWARGS,
+    RunOptions,
+    check_loader_workers,
+    check_runner,
+)
 from zephon_torch.runners.process import SigtermGuard
 from zephon_torch.runners.resume import check_lanes_present, check_resumable, narrow_state
 from zephon_torch.topology import owned_lanes, resolve_topology, warn_idle_workers
@@ -329,7 +334,7 @@ class DataLoader:
             ("task_timeout", task_timeout, None),
         ) if value is not default}
         self.pipeline = pipeline_of("zephon_torch.DataLoader", pipeline)
-        self.num_workers = _check_num_workers(num_workers)
+        self.num_workers = check_loader_workers(num_workers)
         self.runner = _resolve_runner(runner, self.num_workers, iter_kwargs.get("task_timeout"),
                                       self.pipeline)
         self.to_training = _check_to_training(to_training, self.pipeline)
@@ -527,22 +532,23 @@ class DataLoader:
         epoch = self._epochs.begin(self._loaded)
         state, self._loaded = self._loaded, None
         self._position.reset(state)
-        iter_kwargs = {"runner": self.runner, "rank": rank, "world_size": world_size,
-                       "epoch": epoch, **self.iter_kwargs}
         # The core's default pool size when a runner was named with num_workers=0.
-        iter_kwargs["num_workers"] = self.num_workers or None
+        num_workers = self.num_workers or None
+        prefetch = None
         if self.runner == "lanes" and self.num_workers:
             num_lanes = len(self._own_lanes())
             if self.num_workers > num_lanes:
                 if not self._warned_idle:  # once per loader, at the caller's next()
                     self._warned_idle = True
                     warn_idle_workers(self.num_workers, num_lanes, stacklevel=4)
-                iter_kwargs["num_workers"] = max(1, num_lanes)  # warned here, not again
+                num_workers = max(1, num_lanes)  # warned here, not again
             # As torch's prefetch_factor batches per worker: here per lane a worker owns
             # (a worker's messages carry its lanes' batches in turn).
             per_worker = -(-num_lanes // self.num_workers)
-            iter_kwargs["prefetch"] = self.prefetch_factor * max(1, per_worker)
-        spec = EngineSpec(pipeline=self.pipeline, iter_kwargs=iter_kwargs, state=state,
+            prefetch = self.prefetch_factor * max(1, per_worker)
+        options = RunOptions(runner=self.runner, rank=rank, world_size=world_size, epoch=epoch,
+                             num_workers=num_workers, prefetch=prefetch, **self.iter_kwargs)
+        spec = EngineSpec(pipeline=self.pipeline, iter_kwargs=options.as_kwargs(), state=state,
                           to_training=self.to_training)
         in_process = self.in_process or self.runner not in _ENGINE_RUNNERS
         if not in_process and multiprocessing.current_process().daemon:
@@ -862,12 +868,6 @@ def _check_timeout(timeout: Any) -> float:
     return float(timeout)
 
 
-def _check_num_workers(num_workers: Any) -> int:
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
-        raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
-    return num_workers
-
-
 def _resolve_runner(runner: str | None, num_workers: int, task_timeout: Any,
                     pipeline: Pipeline) -> str:
     """The runner: as given, else lane workers, else the inline runner for 0 workers.
@@ -883,9 +883,7 @@ def _resolve_runner(runner: str | None, num_workers: int, task_timeout: Any,
         if task_timeout is not None or remote_stages(pipeline.compile()):
             return "process"
         return "lanes"
-    if runner not in RUNNERS:
-        raise ValueError(f"unknown runner {runner!r}; use one of {list(RUNNERS)}")
-    return runner
+    return check_runner(runner)
 
 
 def _check_to_training(to_training: Any, pipeline: Pipeline) -> dict[str, Any] | None:

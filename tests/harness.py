@@ -7,38 +7,6 @@ of their own); this module keeps the names the tests import from it.
 
 from __future__ import annotations
 
-from zephon_torch.testing import (
-    RUNNERS,
-    assert_conserved,
-    assert_deterministic,
-    assert_elastic,
-    assert_restores_everywhere,
-    assert_same,
-    check_operator_contract,
-    closed_samples,
-    collect,
-    describe,
-    lane_of,
-    matrix,
-    per_lane,
-    small_microbatch_sizes,
-    token_total,
-)
-
-__all__ = [
-    "RUNNERS",
-    "assert_conserved",
-    "assert_deterministic",
-    "assert_elastic",
-    "assert_restores_everywhere",
-    "assert_same",
-    "check_operator_contract",
-    "closed_samples",
-    "collect",
-    "describe",
-    "lane_of",
-    "matrix",
-    "per_lane",
-    "small_microbatch_sizes",
-    "token_total",
-]
+# Every public name of the package's module, under the same list.
+from zephon_torch.testing import *  # noqa: F403
+from zephon_torch.testing import __all__  # noqa: F401

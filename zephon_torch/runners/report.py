@@ -16,9 +16,10 @@ if TYPE_CHECKING:
     import contextlib
     from collections.abc import Callable
 
-    from zephon_torch.accounting import Accounting, Throughput
+    from zephon_torch.accounting import Accounting
     from zephon_torch.pipeline import Pipeline
     from zephon_torch.runners.executor import Executor
+    from zephon_torch.throughput import Throughput
 
 __all__ = ["Report"]
 

@@ -17,6 +17,7 @@ import pytest
 
 from zephon_torch import _cli_inspect, cli
 from zephon_torch.pipeline import Pipeline, SourceConfig
+from zephon_torch.pipeline_sources import derived_builder
 from zephon_torch.sources import SourceOptions
 from zephon_torch.sources import datasets as zd
 from zephon_torch.sources.formats import registry as formats_registry
@@ -145,3 +146,57 @@ def test_a_registered_format_is_offered_by_the_command_line(
         register(SourceFormat(name="other", factory=zd.text_files,
                               command_line=CommandLineFormat(name="csv", label="CSV",
                                                              suffixes=(".csv",))))
+
+
+@pytest.mark.parametrize("fmt", registered_formats(), ids=lambda f: f.name)
+def test_a_derived_builder_reads_as_the_written_one(fmt: SourceFormat, tmp_path: Path) -> None:
+    # The written builders stay for IDEs; what the registry derives takes the same
+    # parameters and builds the same pipeline.
+    derived = derived_builder(fmt).__get__(None, Pipeline)
+    written = getattr(Pipeline, fmt.builder or "")
+    assert list(inspect.signature(derived).parameters) == list(
+        inspect.signature(written.__func__).parameters)[1:]
+    if fmt.name == "items":
+        what: Any = ["a", "b c", "d"]
+    elif fmt.name == "parquet":
+        pq = pytest.importorskip("pyarrow.parquet")
+        import pyarrow as pa
+        pq.write_table(pa.table({"text": ["a", "b c", "d"]}), tmp_path / "a.parquet")
+        what = str(tmp_path / "a.parquet")
+    else:
+        (tmp_path / "a.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+        what = str(tmp_path / "a.jsonl")
+    options = {"num_lanes": 2, "seed": 5, "shuffle": False}
+    if fmt.name == "jsonl":
+        options["cache_dir"] = tmp_path
+    assert derived(what, **options).fingerprint() == written(what, **options).fingerprint()
+
+
+def test_a_new_format_gets_its_builder_derived(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(formats_registry, "_REGISTRY", dict(formats_registry._REGISTRY))
+    assert not hasattr(Pipeline, "from_notes")
+
+    def notes(paths: str, *, component_id: int = 0, name: str | None = None,
+              passes: int | None = None, field: str = "note") -> Any:
+        """Notes: text files under another field."""
+        return zd.text_files(paths, component_id=component_id, name=name, passes=passes,
+                             field=field)
+
+    register(SourceFormat(name="notes", factory=notes, builder="from_notes"))
+    try:
+        builder = Pipeline.from_notes
+        assert list(inspect.signature(builder).parameters) == [
+            "paths", "field", *SOURCE_OPTION_NAMES]
+        doc = inspect.getdoc(builder) or ""
+        assert "made by ``" in doc and "    field: Passed to" in doc
+        assert "    num_lanes: Lanes the samples are dealt to" in doc
+        (tmp_path / "n.txt").write_text("remember the milk")
+        pipe = builder(str(tmp_path / "n.txt"), field="memo", num_lanes=1).fetch().decode_text()
+        assert [r.payload for b in pipe.batch(1) for r in b] == [{"memo": "remember the milk"}]
+        with pytest.raises(ValueError, match="num_lanes"):
+            builder(str(tmp_path / "n.txt"), num_lanes=0)
+        with pytest.raises(TypeError):
+            builder(str(tmp_path / "n.txt"), colour="red")
+    finally:
+        delattr(Pipeline, "from_notes")

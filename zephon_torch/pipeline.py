@@ -46,6 +46,7 @@ from zephon_torch.ops.placement import with_placement
 from zephon_torch.pipeline_sources import SourceConfig
 from zephon_torch.planner import CompiledStage, compile_plan, flush_every, stage_names
 from zephon_torch.runners.options import RunOptions
+from zephon_torch.sources.formats.registry import on_register
 from zephon_torch.topology import worker_lanes
 
 if TYPE_CHECKING:
@@ -292,3 +293,8 @@ class Pipeline:
         chain = "".join(f".{name}()" for name in self.stage_names())
         kinds = ",".join(d.kind for d in self._source.datasets)
         return f"Pipeline<{kinds}>{chain}"
+
+
+# A format registered with a builder the class does not write out (a user's
+# format module, say) gets it derived from its factory, now or when it registers.
+on_register(lambda source_format: _sources.attach_builder(Pipeline, source_format))

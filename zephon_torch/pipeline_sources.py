@@ -16,10 +16,16 @@ builder's signature, with :class:`SourceConfig`'s defaults, so that an IDE and
 (:func:`~zephon_torch.sources.options.document_source_options`). A format's
 own options, and their defaults, are those of its factory
 (``zt.sources.<format>``).
+
+A format registered with a builder name the class does not write out gets
+that builder derived from its factory (:func:`derived_builder`): the same
+parameters in the same order as a written one, so a new format is one
+module; a test holds the written builders to what would be derived.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,14 +35,18 @@ from zephon_torch._builder import defaults_of, pipeline_class_method
 from zephon_torch.ops.io import OnError
 from zephon_torch.sources import datasets as _datasets
 from zephon_torch.sources.base import Dataset
-from zephon_torch.sources.formats.registry import format_named
+from zephon_torch.sources.formats.registry import SourceFormat, format_named
 from zephon_torch.sources.mixing import check_weights
-from zephon_torch.sources.options import SourceOptions, document_source_options
+from zephon_torch.sources.options import (
+    SOURCE_OPTION_NAMES,
+    SourceOptions,
+    document_source_options,
+)
 
 if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
 
-__all__ = ["SourceConfig"]
+__all__ = ["SourceConfig", "attach_builder", "derived_builder"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -327,3 +337,58 @@ def from_text_files(
         ValueError: An option out of range.
     """
     return _from_format(cls, "text_files", paths, locals(), on_error=on_error, field=field)
+
+
+#: A dataset factory's parameters that a builder does not take: a builder reads one
+#: dataset, its component and name are the defaults, and ``passes`` is a source option.
+DATASET_ONLY = ("component_id", "name", "passes")
+
+
+def derived_builder(source_format: SourceFormat) -> classmethod[Any, Any, Any]:
+    """The ``Pipeline.from_<name>`` class method of a format, made from its factory.
+
+    Its parameters are the factory's (what it reads first, then its own
+    options, less :data:`DATASET_ONLY`) followed by the source options with
+    :class:`SourceConfig`'s defaults, the order of the written builders; its
+    docstring names the factory and documents the source options.
+
+    Raises:
+        ValueError: The format names no builder.
+    """
+    name = source_format.builder
+    if name is None:
+        raise ValueError(f"source format {source_format.name!r} names no builder")
+    factory = source_format.factory
+    params = [p for p in inspect.signature(factory).parameters.values()
+              if p.name not in DATASET_ONLY]
+    what, own = params[0], params[1:]
+    shared = [p for p in inspect.signature(from_sources.__func__).parameters.values()
+              if p.name in SOURCE_OPTION_NAMES]
+    cls_param = inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                  annotation="type[Pipeline]")
+    signature = inspect.Signature([cls_param, *params, *shared], return_annotation="Pipeline")
+    where = f"{factory.__module__}.{factory.__qualname__}"
+
+    def builder(cls: type[Pipeline], *args: Any, **kwargs: Any) -> Pipeline:
+        bound = signature.bind(cls, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        return _from_format(cls, source_format.name, arguments[what.name], arguments,
+                            **{p.name: arguments[p.name] for p in own})
+
+    builder.__name__ = name
+    builder.__signature__ = signature  # type: ignore[attr-defined]
+    entries = "".join(f"    {p.name}: Passed to ``{where}``.\n" for p in params)
+    builder.__doc__ = (
+        f"The {source_format.name} format alone: one dataset made by ``{where}``.\n\n"
+        "Derived from the format's registration; the source options are described in\n"
+        ":class:`~zephon_torch.sources.SourceOptions`.\n\n"
+        f"Args:\n{entries}\n"
+        "Returns:\n    A pipeline with no operators yet.\n")
+    return pipeline_class_method(document_source_options(builder))
+
+
+def attach_builder(pipeline_class: type[Pipeline], source_format: SourceFormat) -> None:
+    """Give ``pipeline_class`` the derived builder of a format it has no builder for."""
+    if source_format.builder is not None and not hasattr(pipeline_class, source_format.builder):
+        setattr(pipeline_class, source_format.builder, derived_builder(source_format))

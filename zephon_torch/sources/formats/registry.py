@@ -23,7 +23,11 @@ would end its module with::
                                                          endings=(".csv",))))
 
 and ``zephon-torch inspect data/*.csv`` would read it. A format without a
-builder is read with ``Pipeline.from_sources([csv_rows(paths)])``.
+builder is read with ``Pipeline.from_sources([csv_rows(paths)])``; one that
+names a builder the ``Pipeline`` class does not write out
+(``builder="from_csv"``) gets it derived from its factory: the factory's
+parameters (less ``component_id``, ``name`` and ``passes``), then the
+source options (``zephon_torch/pipeline_sources.py``, ``derived_builder``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ __all__ = [
     "SourceFormat",
     "command_line_formats",
     "format_named",
+    "on_register",
     "register",
     "registered_formats",
 ]
@@ -81,7 +86,8 @@ class SourceFormat:
         factory: Makes the dataset from paths (or items) and the format's
             own keyword options, such as ``zt.sources.jsonl``.
         builder: The name of the ``Pipeline`` class method that reads this
-            format alone (``"from_jsonl"``), or None.
+            format alone (``"from_jsonl"``), or None. Where the class has
+            no method of that name, one is derived from ``factory``.
         command_line: How the command line names it; None: it cannot be
             named there (in-memory items).
     """
@@ -97,6 +103,7 @@ class SourceFormat:
 
 
 _REGISTRY: dict[str, SourceFormat] = {}
+_LISTENERS: list[Callable[[SourceFormat], None]] = []
 
 
 def register(source_format: SourceFormat) -> SourceFormat:
@@ -114,7 +121,21 @@ def register(source_format: SourceFormat) -> SourceFormat:
             and other.name != name for other in _REGISTRY.values()):
         raise ValueError(f"a source format is already named {cli.name!r} on the command line")
     _REGISTRY[name] = source_format
+    for listener in _LISTENERS:
+        listener(source_format)
     return source_format
+
+
+def on_register(listener: Callable[[SourceFormat], None]) -> None:
+    """Call ``listener`` with every format registered, now and from now on.
+
+    This is how an upper floor learns of formats without the registry
+    importing it: the builder derives ``Pipeline.from_<name>`` for a format
+    that names a builder it does not have written out.
+    """
+    _LISTENERS.append(listener)
+    for source_format in tuple(_REGISTRY.values()):
+        listener(source_format)
 
 
 def registered_formats() -> tuple[SourceFormat, ...]:

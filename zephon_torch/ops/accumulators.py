@@ -136,15 +136,26 @@ class CountingAccumulator(Accumulator):
             operators pass ``None`` when ``deterministic=True``.
         drop_last: At end of stream, discard partial micro-batches instead of
             emitting them (they are reported by :meth:`take_dropped`).
+        ramp_from: If set, a lane's first micro-batch holds this many elements
+            and each next one twice as many, up to ``max_batch``: the first
+            results of a lane (and of a resume) come after little work, the
+            steady state runs at the full size. Only for operators whose
+            output does not depend on where micro-batches are cut.
     """
 
     def __init__(self, max_batch: int, *, max_latency_ms: float | None = None,
-                 drop_last: bool = False) -> None:
+                 drop_last: bool = False, ramp_from: int | None = None) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         if max_latency_ms is not None and max_latency_ms < 0:
             raise ValueError(f"max_latency_ms must be >= 0 or None, got {max_latency_ms!r}")
+        if ramp_from is not None and (not isinstance(ramp_from, int)
+                                      or isinstance(ramp_from, bool) or ramp_from < 1):
+            raise ValueError(f"ramp_from must be a positive integer or None, got {ramp_from!r}")
         self.max_batch = max_batch
+        # Lanes still ramping: their next micro-batch's size (see ``ramp_from``).
+        self._ramp: dict[int, int] = {}
+        self._ramp_from = ramp_from if ramp_from is not None and ramp_from < max_batch else None
         self.max_latency_ms = max_latency_ms
         self.drop_last = drop_last
         self._buffers: dict[int, list[Any]] = {}
@@ -168,6 +179,8 @@ class CountingAccumulator(Accumulator):
             self._rows[lane] = 0
             if self.max_latency_ms is not None:
                 self._since[lane] = time.monotonic()
+        if self._ramp_from is not None and self._ramp.get(lane, self._ramp_from) < self.max_batch:
+            return self._push_block_ramping(lane, block)
         size = self.max_batch
         have = self._rows[lane] + n
         if have < size:
@@ -180,6 +193,39 @@ class CountingAccumulator(Accumulator):
         if cut < have:
             self._blocks[lane] = [whole.slice(cut, have)]
             self._rows[lane] = have - cut
+            if self.max_latency_ms is not None:
+                self._since[lane] = time.monotonic()
+        else:
+            del self._blocks[lane], self._rows[lane]
+        return ready
+
+    def _next_size(self, lane: int) -> int:
+        """The size of the lane's next micro-batch; counts it as served."""
+        if self._ramp_from is None:
+            return self.max_batch
+        size = self._ramp.get(lane, self._ramp_from)
+        if size < self.max_batch:
+            self._ramp[lane] = min(self.max_batch, size * 2)
+        return size
+
+    def _push_block_ramping(self, lane: int, block: Block) -> list[Block]:
+        """:meth:`push_block` for a lane whose micro-batches still grow."""
+        held = self._blocks[lane]
+        have = self._rows[lane] + len(block)
+        size = self._ramp.get(lane, self._ramp_from or self.max_batch)
+        if have < size:
+            held.append(block)
+            self._rows[lane] = have
+            return []
+        whole = Block.concat([*held, block]) if held else block
+        ready, start = [], 0
+        while have - start >= self._ramp.get(lane, self._ramp_from or self.max_batch):
+            size = self._next_size(lane)
+            ready.append(whole.slice(start, start + size))
+            start += size
+        if start < have:
+            self._blocks[lane] = [whole.slice(start, have)]
+            self._rows[lane] = have - start
             if self.max_latency_ms is not None:
                 self._since[lane] = time.monotonic()
         else:
@@ -202,6 +248,7 @@ class CountingAccumulator(Accumulator):
         ready: list[list[Any]] = []
         buffers = self._buffers
         size = self.max_batch
+        ramping = self._ramp_from is not None
         timed = self.max_latency_ms is not None
         for elem in elems:
             lane = elem.meta.lane_id if type(elem) is SampleRecord else lane_of(elem)
@@ -211,7 +258,11 @@ class CountingAccumulator(Accumulator):
             if timed and not buf:
                 self._since[lane] = time.monotonic()
             buf.append(elem)
+            if ramping:
+                size = self._ramp.get(lane, self._ramp_from or self.max_batch)
             if len(buf) >= size:
+                if ramping:
+                    self._next_size(lane)
                 ready.append(buf)
                 buffers[lane] = []
         return ready
@@ -223,6 +274,14 @@ class CountingAccumulator(Accumulator):
             buf.extend(elems)
         else:
             buf = list(elems)
+        if self._ramp_from is not None and self._ramp.get(lane, self._ramp_from) < self.max_batch:
+            ready, start = [], 0
+            while len(buf) - start >= self._ramp.get(lane, self._ramp_from):
+                size = self._next_size(lane)
+                ready.append(buf[start:start + size])
+                start += size
+            self._buffers[lane] = buf[start:]
+            return ready
         size = self.max_batch
         if len(buf) < size:
             self._buffers[lane] = buf

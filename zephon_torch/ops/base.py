@@ -132,6 +132,12 @@ class Operator:
 
     name: ClassVar[str] = "apply"
     default_microbatch_size: ClassVar[int] = 64
+    #: The size of a lane's first micro-batch under the default accumulator; each
+    #: next one is twice as large, up to the stage's size. The first results of a
+    #: run (and of a resume) then wait for little work, and the steady state runs
+    #: at the full size. Where micro-batches are cut never changes the output of
+    #: an operator using the default accumulator. ``None``: full size from the start.
+    first_microbatch_size: ClassVar[int | None] = 8
     #: What :meth:`config` names this very class (subclasses do not inherit it) when
     #: that is not its import path: a built-in operator moved to another module keeps
     #: the name that saved states' fingerprints hold. ``None``: ``module.qualname``.
@@ -155,11 +161,13 @@ class Operator:
         """Return a fresh accumulator that cuts the input into micro-batches.
 
         The default groups each lane's elements into micro-batches of
-        ``ctx.microbatch_size`` (or ``default_microbatch_size``).
+        ``ctx.microbatch_size`` (or ``default_microbatch_size``), the first
+        ones growing from ``first_microbatch_size``.
         """
         from zephon_torch.ops.accumulators import CountingAccumulator
 
-        return CountingAccumulator(ctx.microbatch_size or self.default_microbatch_size)
+        return CountingAccumulator(ctx.microbatch_size or self.default_microbatch_size,
+                                   ramp_from=self.first_microbatch_size)
 
     def process_many(self, elems: Sequence[Element]) -> list[Element]:
         """Transform one micro-batch; must not depend on any earlier call."""

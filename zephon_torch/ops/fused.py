@@ -49,6 +49,8 @@ class FusedOperator(Operator):
         self.parts = list(parts)
         self.ops = [op for _, op in self.parts]
         self.default_microbatch_size = max(op.default_microbatch_size for op in self.ops)
+        firsts = [op.first_microbatch_size for op in self.ops]
+        self.first_microbatch_size = None if None in firsts else min(firsts)  # type: ignore[misc]
         #: Where the stage runs (``"local"`` or ``"remote"``, with the same
         #: ``Remote`` options): the parts agree.
         self.placement = getattr(self.ops[0], "placement", "local")

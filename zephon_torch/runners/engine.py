@@ -66,15 +66,17 @@ Unit = Block | Sentinel | list
 
 
 class _Slot:
-    """One entry of a stage's ordered output: a ready unit or a pending future."""
+    """One entry of a stage's ordered output: a ready unit, a pending future, or
+    the job of a local stage, run when the slot is released (``job``)."""
 
-    __slots__ = ("control", "future", "unit")
+    __slots__ = ("control", "future", "job", "unit")
 
     def __init__(self, unit: Any = None, future: cf.Future | None = None,
-                 control: bool = False) -> None:
+                 control: bool = False, job: Any = None) -> None:
         self.unit = unit
         self.future = future
         self.control = control  # tombstones and sentinels: forwarded unchecked
+        self.job = job
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
@@ -335,7 +337,10 @@ class Engine:
                 continue
             stage.counters["microbatches"] += 1
             if stage.local:
-                stage.slots.append(_Slot(_run_local(stage, batch)))
+                # Run when released, one at a time: a lane's small first micro-batch
+                # reaches the next stages before its larger next ones are worked.
+                stage.slots.append(_Slot(job=batch))
+                stage.in_flight += 1
             else:
                 stage.slots.append(_Slot(None, stage.pool.submit(stage.index, batch)))
                 stage.in_flight += 1
@@ -379,8 +384,11 @@ class Engine:
         moved = False
         if self.deterministic:
             while slots and slots[0].done():
-                self._forward(stage, slots.popleft(), target)
+                slot = slots.popleft()
+                self._forward(stage, slot, target)
                 moved = True
+                if slot.job is not None:
+                    break  # one local job per release: the next stages go first
             return moved
         # Completion order for data; a control slot waits for all before it.
         kept: deque[_Slot] = deque()
@@ -399,6 +407,9 @@ class Engine:
         if slot.future is not None:
             stage.in_flight -= 1
             unit = slot.future.result()  # re-raises the worker's exception, in order
+        elif slot.job is not None:
+            stage.in_flight -= 1
+            unit = _run_local(stage, slot.job)
         else:
             unit = slot.unit
         kind = type(unit)

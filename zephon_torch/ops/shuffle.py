@@ -10,7 +10,9 @@ arrive. Each element gets a 64-bit *salt*::
     salt(e) = seed_key(DOMAIN, seed, chunk_id, chunk_offset, len(lineage), *lineage, *sample_id)
 
 (:func:`~zephon_torch.sources.permute.seed_key`, the splitmix64 fold; the
-lineage length keeps keys of different depths apart).
+lineage length keeps keys of different depths apart). The hashing lives in
+:mod:`zephon_torch.ops.shuffle_salt`; this module has the accumulators and the
+operator that use it.
 
 **One buffer, split over the lanes.** ``buffer_size`` is the pipeline's
 buffer: every lane shuffles on its own (a lane's order must not depend on
@@ -56,12 +58,12 @@ lane alone, and other lanes never see its elements.
 from __future__ import annotations
 
 import copy as _copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from zephon_torch.block import ID_CHUNK, ID_DATASET, ID_LOCAL, ID_OFFSET, ID_SHARD, Block
+from zephon_torch.block import Block
 from zephon_torch.epochs import epoch_seed
 from zephon_torch.ops.accumulators import Accumulator, CountingAccumulator, lane_of
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
@@ -71,9 +73,18 @@ from zephon_torch.ops.shuffle_buffer import (
     refuse_unsplit,
     unsplit_config,
 )
-from zephon_torch.sources.permute import mix64, seed_key
-from zephon_torch.types import CursorKey, SampleBatch
+from zephon_torch.ops.shuffle_salt import (
+    block_salts,
+    cursor_key_of,
+    eviction_slots,
+    fold,
+    order_block,
+    order_by_salt,
+    salt_of,
+    shuffle_prefix,
+)
 
+# The salts live in shuffle_salt.py; the public ones stay importable from here.
 __all__ = [
     "BUFFER_SPLIT",
     "SHUFFLE_ALGORITHMS",
@@ -90,123 +101,9 @@ __all__ = [
 SHUFFLE_ALGORITHMS = ("streaming", "block", "block_warmup")
 
 
-# Keeps shuffle hashes apart from other users of seed_key with the same seed
-# (the sources fold (seed, pass, dataset, ...)): "shuffle" in ASCII.
-_DOMAIN = 0x73687566666C65
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
 # Smallest first block of "block_warmup": small enough for a quick first
 # output, large enough that it is still a real shuffle.
 _WARMUP_START = 64
-
-
-def _mix(x: int) -> int:
-    # The scalar twin of permute.mix64 in plain integers: the numpy version
-    # costs ~3 us per call on 0-d arrays, and the reservoir hashes every
-    # arrival. The tests pin that both agree bit for bit.
-    x = (x + _GOLDEN) & _MASK64
-    x = ((x ^ (x >> 30)) * _M1) & _MASK64
-    x = ((x ^ (x >> 27)) * _M2) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _fold(acc: int, parts: Iterable[int]) -> int:
-    # Continues seed_key's fold: seed_key(*a, *b) == _fold(seed_key(*a), b).
-    for part in parts:
-        acc = _mix(acc ^ (int(part) & _MASK64))
-    return acc
-
-
-def _cursor_key(elem: Element) -> CursorKey:
-    if isinstance(elem, SampleBatch):
-        # A batch is named by its first record (records are unique, so are
-        # the first records of distinct batches).
-        if not elem.records:
-            raise ValueError("shuffle cannot order an empty SampleBatch")
-        return elem.records[0].meta.as_cursor_key()
-    return elem.meta.as_cursor_key()
-
-
-def shuffle_prefix(seed: int) -> int:
-    """The fold state every salt of ``seed`` starts from (``seed_key(DOMAIN, seed)``)."""
-    return seed_key(_DOMAIN, seed)
-
-
-def salt_of(prefix: int, elem: Element) -> int:
-    """The 64-bit salt of an element: its cursor key hashed onto ``prefix``.
-
-    Args:
-        prefix: :func:`shuffle_prefix` of the seed.
-        elem: A record (or a batch, named by its first record).
-
-    Returns:
-        ``seed_key(DOMAIN, seed, chunk_id, chunk_offset, len(lineage),
-        *lineage, *sample_id)`` as a Python int.
-    """
-    chunk_id, chunk_offset, lineage, sample_id = _cursor_key(elem)
-    return _fold(prefix, (chunk_id, chunk_offset, len(lineage), *lineage, *sample_id))
-
-
-def block_salts(prefix: int, block: Block) -> np.ndarray:
-    """:func:`salt_of` of every row of a block, as uint64, with array operations."""
-    ids = block.ids.astype(np.uint64)
-    n = len(block)
-    acc = np.full(n, prefix, dtype=np.uint64)
-    lineage = block.lineage
-    lengths = (np.zeros(n, dtype=np.int64) if lineage is None
-               else np.fromiter(map(len, lineage), dtype=np.int64, count=n))
-    acc = mix64(acc ^ ids[:, ID_CHUNK])
-    acc = mix64(acc ^ ids[:, ID_OFFSET])
-    acc = mix64(acc ^ lengths.astype(np.uint64))
-    tail = (ID_DATASET, ID_SHARD, ID_LOCAL)
-    for depth in np.unique(lengths).tolist():
-        rows = np.flatnonzero(lengths == depth)
-        part = acc[rows]
-        if depth:
-            paths = np.array([lineage[r] for r in rows.tolist()], dtype=np.int64)  # type: ignore[index]
-            for d in range(depth):
-                part = mix64(part ^ paths[:, d].astype(np.uint64))
-        for column in tail:
-            part = mix64(part ^ ids[rows, column])
-        acc[rows] = part
-    return acc
-
-
-def _slots(salts: np.ndarray, lane: int, first_eviction: int, size: int) -> np.ndarray:
-    """The reservoir slot each arrival evicts: ``_fold(salt, (lane, n, size))`` mapped onto
-    ``[0, size)`` by multiply-shift, for evictions ``n = first_eviction, ...``."""
-    count = len(salts)
-    evictions = np.arange(first_eviction, first_eviction + count, dtype=np.uint64)
-    h = mix64(salts ^ np.uint64(lane & _MASK64))
-    h = mix64(h ^ evictions)
-    h = mix64(h ^ np.uint64(size))
-    # (h * size) >> 64 without 128-bit arithmetic (size < 2**32).
-    size64 = np.uint64(size)
-    high, low = h >> np.uint64(32), h & np.uint64(0xFFFFFFFF)
-    return ((high * size64 + ((low * size64) >> np.uint64(32))) >> np.uint64(32)).astype(np.int64)
-
-
-def order_block(block: Block, prefix: int) -> np.ndarray:
-    """The row order of :func:`order_by_salt` for a block: by salt, ties by cursor key."""
-    salts = block_salts(prefix, block)
-    order = np.argsort(salts, kind="stable")
-    ranked = salts[order]
-    if len(ranked) > 1 and bool((ranked[1:] == ranked[:-1]).any()):
-        keyed = sorted((int(salt), block.cursor_key(i), i) for i, salt in enumerate(salts))
-        order = np.array([i for _, _, i in keyed], dtype=np.int64)
-    return order
-
-
-def order_by_salt(elems: Sequence[Element], prefix: int) -> list[Element]:
-    """Sort elements by ``(salt, cursor key)``: a permutation fixed by the set alone.
-
-    The cursor key only breaks (astronomically unlikely) salt collisions.
-    """
-    keyed = [(salt_of(prefix, e), _cursor_key(e), i) for i, e in enumerate(elems)]
-    keyed.sort()
-    return [elems[i] for _, _, i in keyed]
 
 
 class _Reservoir:
@@ -332,7 +229,7 @@ class ReservoirShuffleAccumulator(Accumulator):
             res.salts.extend(salts[:fill].tolist())
         out: list[Block] = []
         if fill < n:
-            slots = _slots(salts[fill:], lane, res.evictions, size).tolist()
+            slots = eviction_slots(salts[fill:], lane, res.evictions, size).tolist()
             late = salts[fill:].tolist()
             owners, rows, held_salts = res.owners, res.rows, res.salts
             out_owners: list[int] = []
@@ -366,7 +263,7 @@ class ReservoirShuffleAccumulator(Accumulator):
                 continue
             # Multiply-shift maps the 64-bit hash onto [0, size) without the
             # bias of a modulo.
-            slot = (_fold(salt, (lane, res.evictions, size)) * size) >> 64
+            slot = (fold(salt, (lane, res.evictions, size)) * size) >> 64
             out.setdefault(lane, []).append(res.items[slot])
             res.items[slot] = elem
             res.salts[slot] = salt
@@ -384,7 +281,7 @@ class ReservoirShuffleAccumulator(Accumulator):
             if res is None or not res.items:
                 continue
             keyed = sorted(
-                (salt, _cursor_key(item), i)
+                (salt, cursor_key_of(item), i)
                 for i, (salt, item) in enumerate(zip(res.salts, res.items))
             )
             out.append([res.items[i] for _, _, i in keyed])

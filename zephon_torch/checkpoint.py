@@ -54,6 +54,7 @@ from typing import Any
 
 from zephon_torch.accounting import ProgressTracker
 from zephon_torch.fingerprint import (
+    DIGEST_MARK,
     data_changes,
     describe_difference,
     digest,
@@ -261,7 +262,9 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
         raise ValueError(
             "the state was saved by a different pipeline configuration: "
             f"{describe_difference(differ, mine, theirs, fingerprint)}. Resume with the same "
-            "sources, operators, num_lanes, chunk_size, seed and flush_every_k_chunks"
+            "sources, operators, num_lanes, chunk_size, seed and flush_every_k_chunks; what "
+            "may change (the batch size, micro-batch sizes, runner and workers) is listed in "
+            "docs/checkpoints.md, \"What a resume may change\""
         )
     if "data" in theirs and state.get(ACCEPT_CHANGED_DATA) is not True:
         changed = data_changes(mine.get("data"), theirs["data"], fingerprint)
@@ -288,7 +291,53 @@ def differing_parts(mine: Mapping[str, Any], theirs: Mapping[str, Any],
                     if k != "data" and not is_detail(k) and mine.get(k) != theirs.get(k))
     if fingerprint is None:
         return differ
-    return [k for k in differ if not _same_as_earlier_form(k, fingerprint, theirs)]
+    return [k for k in differ if not _same_as_earlier_form(k, fingerprint, theirs)
+            and not changed_after_resume_point(k, fingerprint, theirs)]
+
+
+def changed_after_resume_point(key: str, fingerprint: Mapping[str, Any],
+                               theirs: Mapping[str, Any]) -> bool:
+    """Whether differing part ``key`` is an operator after the resume point whose
+    state's config differs from this pipeline's only in parameters a resume may change
+    (:attr:`~zephon_torch.ops.base.Operator.resume_may_change`: the batch size).
+
+    The operator must stand at or after the first stage that produces batches (the
+    replay filter precedes it, so it never sees a replayed record), be of the same
+    class, and its config with the state's values of those parameters must have the
+    state's digest exactly.
+    """
+    index = _op_index(key)
+    ops = fingerprint.get("ops") or []
+    if index is None or index >= len(ops) or not isinstance(ops[index], Mapping):
+        return False
+    kinds = [operator_class(c.get("op")) if isinstance(c, Mapping) else None for c in ops]
+    cut = next((i for i, k in enumerate(kinds)
+                if k is not None and getattr(k, "name", None) == "batch"), None)
+    kind = kinds[index]
+    if kind is None or not kind.resume_may_change or cut is None or index < cut:
+        return False
+    config = ops[index]
+    saved = {k[len(key) + 1:]: v for k, v in theirs.items() if k.startswith(f"{key}.")}
+    if saved.get("op") != config.get("op") or set(saved) != set(config):
+        return False
+    then = dict(config)
+    for param in kind.resume_may_change:
+        text = saved.get(param)
+        if param not in config or not isinstance(text, str) or text.startswith(DIGEST_MARK):
+            return False
+        try:
+            then[param] = json.loads(text)
+        except ValueError:
+            return False
+    return digest(then) == theirs.get(key)
+
+
+def _op_index(key: str) -> int | None:
+    """``i`` of an operator part ``"ops[i]"``; None for any other part."""
+    index = key[len("ops["):-1]
+    if key.startswith("ops[") and key.endswith("]") and index.isdigit():
+        return int(index)
+    return None
 
 
 def _same_as_earlier_form(key: str, fingerprint: Mapping[str, Any],

@@ -221,6 +221,13 @@ class Operator:
         _CLASSES[cls.__dict__.get("_config_name")
                  or f"{cls.__module__}.{cls.__qualname__}"] = cls
 
+    #: Parameters of this operator that a resume may change: where the operator
+    #: stands after the resume point (at or after ``batch``, which the replay filter
+    #: precedes), it only acts on what comes next, so a state saved with other
+    #: values resumes as a run that changed them at that step. ``batch`` names its
+    #: size and ``drop_last``.
+    resume_may_change: ClassVar[frozenset[str]] = frozenset()
+
     @classmethod
     def earlier_config(cls, config: Mapping[str, Any], saved: Mapping[str, str], *,
                        num_lanes: int) -> dict[str, Any] | None:

@@ -51,6 +51,9 @@ class Batch(Operator):
     """
 
     name = "batch"
+    # Batches are cut after the resume point (the replay filter stands right before
+    # this stage), so both may change on resume: the next batch is cut the new way.
+    resume_may_change = frozenset({"microbatch_size", "drop_last"})
 
     def __init__(self, microbatch_size: int, *, drop_last: bool = True) -> None:
         if (not isinstance(microbatch_size, int) or isinstance(microbatch_size, bool)

@@ -383,12 +383,12 @@ class Engine:
         target = self.stages[index].inbox if index < len(self.stages) else self.outputs
         moved = False
         if self.deterministic:
-            while slots and slots[0].done():
+            ran = False  # one local job per release: the next stages take it first
+            while slots and slots[0].done() and not (ran and slots[0].job is not None):
                 slot = slots.popleft()
+                ran = ran or slot.job is not None
                 self._forward(stage, slot, target)
                 moved = True
-                if slot.job is not None:
-                    break  # one local job per release: the next stages go first
             return moved
         # Completion order for data; a control slot waits for all before it.
         kept: deque[_Slot] = deque()

@@ -133,9 +133,6 @@ How one iteration is laid out (``num_workers=N >= 1``, the default runner ``"lan
 
 from __future__ import annotations
 
-import copy
-import inspect
-import math
 import multiprocessing
 import threading
 import warnings
@@ -145,32 +142,23 @@ from typing import Any
 
 import torch
 
-from zephon_torch._lightning_compat import FitView, fit_loop_view, follow_fit_loops
-from zephon_torch.checkpoint import (
-    check_state,
-    fingerprint_parts,
-    merge_states,
-    refuse_nondeterministic,
-)
-from zephon_torch.epochs import EpochCounter, check_epoch, state_epoch
+from zephon_torch._lightning_compat import follow_fit_loops
+from zephon_torch.checkpoint import fingerprint_parts
+from zephon_torch.epochs import EpochCounter, check_epoch
 from zephon_torch.pipeline import Pipeline
-from zephon_torch.runners.assembly import remote_stages
-from zephon_torch.runners.options import (
-    ITER_KWARGS,
-    RunOptions,
-    check_loader_workers,
-    check_runner,
-)
+from zephon_torch.runners.options import RunOptions, check_loader_workers
 from zephon_torch.runners.process import SigtermGuard
-from zephon_torch.runners.resume import check_lanes_present, check_resumable, narrow_state
-from zephon_torch.topology import owned_lanes, resolve_topology, warn_idle_workers
-from zephon_torch.torch._loader_dist import (
-    StepVote,
-    check_peers,
-    fingerprint_digest,
-    stopped_state,
+from zephon_torch.topology import resolve_topology, warn_idle_workers
+from zephon_torch.torch import _loader_state as _state
+from zephon_torch.torch._loader_args import (
+    _UNEVEN,
+    _check_kwargs,
+    _check_timeout,
+    _check_to_training,
+    _resolve_pin,
+    _resolve_runner,
 )
-from zephon_torch.torch._loader_dist import gather as gather_states
+from zephon_torch.torch._loader_dist import StepVote, check_peers, fingerprint_digest
 from zephon_torch.torch._loader_engine import (
     EngineProcess,
     EngineSpec,
@@ -180,34 +168,11 @@ from zephon_torch.torch._loader_place import Placer, with_index
 from zephon_torch.torch._loader_position import Position, _BatchSampler
 from zephon_torch.torch._loader_run import _LoaderIterator, _Run
 from zephon_torch.torch.dataset import pipeline_of
-from zephon_torch.types import SampleBatch
 
 __all__ = ["DataLoader", "Position"]
 
-# The loader's own arguments cover these; the rest of Pipeline.iter's pass through.
-_ITER_KWARGS = tuple(k for k in ITER_KWARGS
-                     if k not in ("runner", "num_workers", "rank", "world_size", "epoch"))
 #: Runners that run in an engine process of their own (unless in_process=True).
 _ENGINE_RUNNERS = ("threads", "process")
-_UNEVEN = ("stop", "continue")
-# Arguments of torch's DataLoader that have no meaning here, and what to do instead.
-_TORCH_ONLY = {
-    "batch_size": "batching lives in the pipeline: end it with .batch(microbatch_size)",
-    "collate_fn": "batches are collated by SampleBatch.to_training(); pass its options as "
-                  "to_training={...}",
-    "batch_sampler": "batching lives in the pipeline: end it with .batch(microbatch_size)",
-    "sampler": "ranks and lanes decide who reads what; order comes from the pipeline's "
-               "seeds and .shuffle()",
-    "shuffle": "shuffle in the pipeline with .shuffle(buffer_size, seed=...)",
-    "drop_last": "use .batch(microbatch_size, drop_last=...) in the pipeline",
-    "worker_init_fn": "per-worker set-up belongs in an operator's setup(ctx)",
-    "multiprocessing_context": "lane workers are forked where torch forks its own (Linux), "
-                               "else spawned; set ZEPHON_LANES_START_METHOD=spawn to choose",
-    "generator": "randomness is a pure function of the pipeline's seeds and the data",
-    "persistent_workers": "the workers live for one iteration (one epoch)",
-    "pin_memory_device": "pass device= (tensors are pinned, then copied there)",
-    "in_order": "pass deterministic=False for completion order",
-}
 
 
 # --------------------------------------------------------------------------- the loader
@@ -565,38 +530,6 @@ class DataLoader:
         placer = Placer(with_index(self.device), self.pin_memory)
         return _Run(producer, placer, self.prefetch_factor, vote, guard)
 
-    def _stopped(self) -> None:
-        """The ranks voted to stop this iteration: its epoch is over here too.
-
-        What this rank had not read of the epoch is dropped, and its
-        position says so (every lane ended), as the position of the rank
-        that ran out does: every rank's state is of this epoch, with nothing
-        left in it, so they merge, and loading them starts the next epoch,
-        as iterating again does (see ``_loader_dist.py``).
-        """
-        position = self._position
-        epoch = self._epochs.epoch
-        base = position.state if position.state is not None else self._fresh_state(epoch)
-        position.state = stopped_state(base)
-        if not position.count:
-            rank, world_size = resolve_topology(self.rank, self.world_size)
-            warnings.warn(
-                f"zephon DataLoader: epoch {epoch} ended at step 0 on every rank "
-                f"(on_uneven='stop'): rank {rank} of {world_size} has batches in it, but "
-                "another rank has none, so none of them is trained on in this epoch. Give "
-                "every rank data (more documents, smaller chunk_size, or num_lanes a multiple "
-                "of the world size), or use on_uneven='continue' for a loop without a "
-                "collective per step (evaluation)", RuntimeWarning, stacklevel=4)
-
-    def _peer_failed(self, step: int) -> str:
-        """The message of a rank whose peer's loader failed at ``step`` of this epoch."""
-        rank, world_size = resolve_topology(self.rank, self.world_size)
-        return (
-            f"zephon DataLoader: another rank's loader failed at step {step} of epoch "
-            f"{self._epochs.epoch} (its error is in that rank's log); rank {rank} of "
-            f"{world_size} stops too, rather than wait for it in the next collective"
-        )
-
     def _end_active(self, reason: str | None = None) -> None:
         """End the current iteration; ``reason``: why, for an iterator in progress to raise."""
         active = self._active() if self._active is not None else None
@@ -609,129 +542,17 @@ class DataLoader:
             active.close()
 
     # ------------------------------------------------------------------ checkpoints
+    # Written in _loader_state.py and bound here, so that they read as the loader's own.
 
-    def state_dict(self, *, gather: bool | None = None) -> dict[str, Any]:
-        """The pipeline's position after the last batch handed to the caller.
-
-        Args:
-            gather: ``True``: under an initialized ``torch.distributed``
-                group with more than one rank (and this loader's rank and
-                world size being the group's), all-gather every rank's state
-                (a collective: call it on every rank, over gloo, see the
-                module doc) and return their
-                :func:`~zephon_torch.checkpoint.merge_states`, which any
-                world size can load. ``False``: this rank's state. ``None``
-                (the default): gather only when Lightning's fit loop saves
-                this loader in a checkpoint, which it does on every rank;
-                otherwise this rank's state.
-
-        Returns:
-            A JSON-able dict (the pipeline iterator's ``state_dict()``
-            format): before any batch, the start of the next iteration (a
-            loaded state, or the beginning); after the last, the end.
-
-        Raises:
-            RuntimeError: Under Lightning, its fetcher holds more batches of
-                this loader than the loader remembers the states of.
-            NotCheckpointableError: The loader runs with ``deterministic=False``.
-
-        While Lightning's ``Trainer.fit`` iterates this loader as its train
-        loader, the caller is the training step rather than Lightning's
-        fetcher: the answer is the position after the last batch the
-        fetcher passed on (the batches it prefetched do not count), or, once
-        Lightning's epoch is over, the start of the next epoch's iteration.
-        Under Lightning's DDP, where only rank 0 writes the checkpoint, the
-        state Lightning saves is gathered (``gather=None``): each rank first
-        answers for the batches its own fetcher holds, then the ranks merge.
-        """
-        if not self.checkpointable:
-            raise refuse_nondeterministic("DataLoader.state_dict()")
-        view = fit_loop_view(self)  # how Lightning's fit loop, if it iterates us, stands
-        local = self._local_state(view)
-        if gather is None:
-            gather = view is not None and view.saving
-        states = gather and gather_states(local, *resolve_topology(self.rank, self.world_size))
-        return merge_states(states) if states else local
-
-    def _local_state(self, view: FitView | None = None) -> dict[str, Any]:
-        """This rank's state; ``view``: what Lightning's fit loop holds, under Lightning."""
-        if view is None:
-            return self._state_before(0)
-        return self._state_before(view.held, epoch_over=view.epoch_over)
-
-    def _state_before(self, held: int, *, epoch_over: bool = False) -> dict[str, Any]:
-        """This rank's state before the last ``held`` batches handed over.
-
-        Args:
-            held: Batches a consumer (Lightning's fetcher, a ``ZephonDataModule``
-                stream) took from the loader and has not used yet.
-            epoch_over: The consumer has used the iteration's last batch: the
-                next iteration starts from the beginning of the next epoch.
-
-        Raises:
-            NotCheckpointableError: The loader runs with ``deterministic=False``.
-            RuntimeError: ``held`` goes back further than :class:`Position` remembers.
-        """
-        if not self.checkpointable:
-            raise refuse_nondeterministic("DataLoader.state_dict()")
-        if self._loaded is not None:
-            state: dict[str, Any] | None = self._loaded
-        elif epoch_over and not held:
-            state = None  # the next iteration (iter() again) starts the next epoch
-        else:
-            state = self._position.before(held)
-        if state is not None:
-            # Only this rank's lanes of a (possibly merged) state, so that gathers merge;
-            # a copy, which the caller may edit.
-            return narrow_state(copy.deepcopy(state), self._own_lanes())
-        return self._fresh_state()
-
-    def _own_lanes(self) -> list[int]:
-        rank, world_size = resolve_topology(self.rank, self.world_size)
-        return owned_lanes(self.pipeline.source.num_lanes, rank, world_size,
-                           self.iter_kwargs.get("lanes"))
-
-    def _fresh_state(self, epoch: int | None = None) -> dict[str, Any]:
-        """The state of an iterator of ``epoch`` (default: the next) that has not started
-        (built inline, here)."""
-        rank, world_size = resolve_topology(self.rank, self.world_size)
-        # A state needs no workers: no task_timeout (which only the process runner takes).
-        kwargs = {k: v for k, v in self.iter_kwargs.items() if k != "task_timeout"}
-        it = self.pipeline.iter(runner="inline", rank=rank, world_size=world_size,
-                                epoch=self._epochs.next_epoch if epoch is None else epoch,
-                                **kwargs)
-        try:
-            return it.state_dict()
-        finally:
-            it.close()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Make the next iteration continue exactly where ``state`` stopped.
-
-        ``state`` is a :meth:`state_dict` of this pipeline: one rank's, or a
-        merged one (this rank takes its own lanes from it, whatever the world
-        size). An iteration in progress is ended.
-
-        Raises:
-            ValueError: The state is corrupted or belongs to another pipeline
-                configuration.
-        """
-        checked = check_state(state, self._fingerprint, stage_names=self.pipeline.stage_names(),
-                              deterministic=self.checkpointable)
-        if checked["num_lanes"] != self.pipeline.source.num_lanes:
-            raise ValueError(f"the state has {checked['num_lanes']} lanes, this pipeline "
-                             f"{self.pipeline.source.num_lanes}")
-        # Another rank's state is refused even when its epoch had ended: taking it as
-        # finished would skip what is left of this rank's lanes in that epoch.
-        check_lanes_present(checked, self._own_lanes())
-        check_resumable(checked, self.pipeline, epoch=state_epoch(checked),
-                        lanes=self._own_lanes())
-        self._end_active("load_state_dict()")
-        # The state's epoch runs next; a state saved after the end of its epoch leaves
-        # nothing to resume: the next iteration starts the following epoch afresh.
-        pending = self._epochs.resume(checked)
-        self._loaded = None if pending is None else copy.deepcopy(checked)
-        self._position.reset(self._loaded)
+    state_dict = _state.state_dict
+    load_state_dict = _state.load_state_dict
+    _local_state = _state._local_state
+    _state_before = _state._state_before
+    _own_lanes = _state._own_lanes
+    _fresh_state = _state._fresh_state
+    # The state of an iteration the ranks voted to stop; a failed peer's message.
+    _stopped = _state._stopped
+    _peer_failed = _state._peer_failed
 
     # ------------------------------------------------------------------ lifetime
 
@@ -750,95 +571,3 @@ class DataLoader:
         where = "engine process" if engine else "in process"
         return (f"DataLoader({self.pipeline!r}, runner={self.runner!r}, "
                 f"num_workers={self.num_workers}, {where}, device={self.device})")
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _check_kwargs(iter_kwargs: Mapping[str, Any]) -> None:
-    for name in iter_kwargs:
-        if name in _TORCH_ONLY:
-            raise TypeError(
-                f"zephon_torch.DataLoader takes no {name!r}: {_TORCH_ONLY[name]}"
-            )
-        if name not in _ITER_KWARGS:
-            raise TypeError(
-                f"zephon_torch.DataLoader got an unexpected keyword argument {name!r}; it takes "
-                f"the DataLoader options and Pipeline.iter's {list(_ITER_KWARGS)}"
-            )
-
-
-def _check_timeout(timeout: Any) -> float:
-    """Torch's ``timeout``: seconds to wait for a batch, ``0`` for no limit."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not math.isfinite(timeout) or timeout < 0:
-        raise ValueError(
-            f"timeout must be a finite number of seconds >= 0 (0: wait without limit), "
-            f"got {timeout!r}"
-        )
-    return float(timeout)
-
-
-def _resolve_runner(runner: str | None, num_workers: int, task_timeout: Any,
-                    pipeline: Pipeline) -> str:
-    """The runner: as given, else lane workers, else the inline runner for 0 workers.
-
-    The stage-parallel process runner replaces lane workers where they cannot
-    do the job: with ``task_timeout`` (only its pool can stop a hung
-    micro-batch and send it again) and for stages placed on Ray (lane workers
-    run every stage themselves).
-    """
-    if runner is None:
-        if not num_workers:
-            return "inline"
-        if task_timeout is not None or remote_stages(pipeline.compile()):
-            return "process"
-        return "lanes"
-    return check_runner(runner)
-
-
-def _check_to_training(to_training: Any, pipeline: Pipeline) -> dict[str, Any] | None:
-    """The keyword arguments of ``to_training`` (None: yield batches as they are)."""
-    if to_training is False:
-        return None
-    if to_training is None or to_training is True:
-        kwargs: dict[str, Any] = {}
-    elif isinstance(to_training, Mapping):
-        kwargs = dict(to_training)
-    else:
-        raise TypeError(
-            f"to_training must be None (defaults), a dict of SampleBatch.to_training keyword "
-            f"arguments, or False (yield SampleBatch), got {type(to_training).__name__}"
-        )
-    placed = sorted({"device", "pin_memory"} & set(kwargs))
-    if placed:
-        raise TypeError(
-            f"pass {', '.join(placed)} to the DataLoader itself, not in to_training: the "
-            "loader pins and copies on its prefetch thread, overlapped with the training step"
-        )
-    accepted = set(inspect.signature(SampleBatch.to_training).parameters) - {"self"}
-    unknown = sorted(set(kwargs) - accepted)
-    if unknown:
-        raise TypeError(
-            f"to_training got unknown option(s) {unknown}; SampleBatch.to_training takes "
-            f"{sorted(accepted - {'device', 'pin_memory'})}"
-        )
-    if not any(op.traits().produces_batches for op in pipeline.ops):
-        raise ValueError(
-            "this pipeline yields SampleRecord, not SampleBatch: end it with "
-            ".batch(microbatch_size), or pass to_training=False to get the records"
-        )
-    return kwargs
-
-
-def _resolve_pin(pin_memory: bool | None, device: torch.device | None) -> bool:
-    is_cuda = device is not None and device.type == "cuda"
-    if is_cuda and not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r}, but CUDA is not available")
-    if pin_memory is None:
-        return is_cuda
-    if pin_memory and not torch.cuda.is_available():
-        warnings.warn("pin_memory=True but CUDA is not available: tensors are not pinned",
-                      UserWarning, stacklevel=3)
-        return False
-    return bool(pin_memory)

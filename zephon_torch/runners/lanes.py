@@ -92,7 +92,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from zephon_torch.accounting import Accounting
-from zephon_torch.block import Block, BlockBatch
+from zephon_torch.block import Block
+from zephon_torch.block_views import BlockBatch
 from zephon_torch.runners import resume, shm, wire
 from zephon_torch.runners.assembly import (
     make_pools,

@@ -64,10 +64,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from zephon_torch.block_columns import (
-    Ragged,
     column_slice,
     column_take,
-    concat_columns,
     fields_of_payloads,
     payloads_of_fields,
 )
@@ -83,7 +81,6 @@ from zephon_torch.block_ids import (
 )
 from zephon_torch.block_join import concat_blocks, gather_arrays
 from zephon_torch.block_records import record_columns
-from zephon_torch.block_views import MIXED, BlockBatch, PlainRows
 from zephon_torch.types import SampleMeta, SampleRecord, metas_from_columns, records_from_columns
 from zephon_torch.vocab import (
     CONTRIBUTORS_TAG,
@@ -94,23 +91,18 @@ from zephon_torch.vocab import (
     TOMBSTONE_TAG,
 )
 
-# Ragged, concat_columns, the ID_* columns, BlockBatch, PlainRows and MIXED live in the
-# modules above; they are named here too for the modules that import them from here.
+# The ID_* columns live in block_ids.py; they are named here too for the modules that
+# import them from here.
 __all__ = [
     "ID_CHUNK",
     "ID_DATASET",
     "ID_LOCAL",
     "ID_OFFSET",
     "ID_SHARD",
-    "MIXED",
     "Block",
-    "BlockBatch",
-    "PlainRows",
-    "Ragged",
     "Sentinel",
     "blocks_from_elements",
     "blocks_from_records",
-    "concat_columns",
 ]
 
 
@@ -245,9 +237,9 @@ class Block:
         """The same rows with their dict payloads as columns, where they allow it.
 
         Every data row's payload must be a dict with the same keys; a field
-        whose values are all 1-D integer arrays becomes a :class:`Ragged`
-        column (one copy), any other field a list. Otherwise the block is
-        returned as it is.
+        whose values are all 1-D integer arrays becomes a
+        :class:`~zephon_torch.block_columns.Ragged` column (one copy), any
+        other field a list. Otherwise the block is returned as it is.
         """
         if self.fields is not None or self.payloads is None:
             return self

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from zephon_torch.block import ID_CHUNK, Block
+from zephon_torch.block import Block
+from zephon_torch.block_ids import ID_CHUNK
 from zephon_torch.ops.accumulators import Accumulator
 from zephon_torch.ops.base import OpContext, Operator, OpTraits
 from zephon_torch.types import SampleBatch, SampleRecord

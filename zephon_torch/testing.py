@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from zephon_torch.pipeline import Pipeline
+from zephon_torch.runners.options import RUNNERS as _REGISTERED_RUNNERS
 from zephon_torch.types import SampleBatch, SampleRecord, payloads_equal
 
 __all__ = [
@@ -60,8 +61,8 @@ __all__ = [
     "token_total",
 ]
 
-#: Every runner a pipeline can run on.
-RUNNERS = ("inline", "threads", "process", "lanes")
+#: Every runner a pipeline can run on (``runners/registry.py``'s, in its order).
+RUNNERS = _REGISTERED_RUNNERS
 
 
 def collect(pipe: Pipeline, **iter_kwargs: Any) -> list[Any]:

@@ -51,7 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from zephon_torch.block import Block, Ragged
+from zephon_torch.block import Block
+from zephon_torch.block_columns import Ragged
 from zephon_torch.ops.base import Element, live_records, live_rows
 from zephon_torch.ops.chat_templates import DEFAULT_CHAT_TEMPLATE, is_jinja_template
 from zephon_torch.ops.placement import set_placement

@@ -14,7 +14,10 @@ the engine are made again whenever a state is loaded::
                                                  + make_engine
 
 Nothing here changes an output byte: micro-batch sizes and pools decide
-only how the work is cut and where it runs.
+only how the work is cut and where it runs. What differs between the local
+pools is described by a :class:`~zephon_torch.runners.spec.PoolSpec`
+(:data:`INLINE_POOL`, :data:`THREAD_POOL`, :data:`PROCESS_POOL`); the
+functions here ask it, never a runner's name.
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ from zephon_torch.ops.placement import placement_options
 from zephon_torch.replay import ReplayFilter
 from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
 from zephon_torch.runners.engine import Engine, Stage
+from zephon_torch.runners.spec import PoolSpec
 from zephon_torch.sources.emitter import SourceEmitter
 from zephon_torch.sources.schedule import Chunk, WorkSchedule
 
 if TYPE_CHECKING:
     from zephon_torch.runners.resume import ResumePlan
 
-__all__ = ["Run", "make_engine", "make_pools", "make_run", "make_schedule", "make_stages",
-           "microbatch_size", "remote_stages", "stage_contexts"]
+__all__ = ["INLINE_POOL", "PROCESS_POOL", "THREAD_POOL", "Run", "make_engine", "make_pools",
+           "make_run", "make_schedule", "make_stages", "microbatch_size", "remote_stages",
+           "stage_contexts"]
 
 #: Smallest default micro-batch of an elementwise stage under the process runner.
 _PROCESS_MICROBATCH = 512
@@ -61,7 +66,7 @@ def make_schedule(source: Any) -> WorkSchedule:
 
 def stage_contexts(source: Any, schedule: WorkSchedule, compiled: Sequence[Any], *,
                    lanes: Sequence[int], rank: int, world_size: int,
-                   runner: str) -> list[OpContext]:
+                   pool_spec: PoolSpec) -> list[OpContext]:
     """One :class:`OpContext` per compiled stage (``source``: the pipeline's source config)."""
     weights: dict[int, float] = {}
     for dataset, w in zip(source.datasets, schedule.weights):
@@ -75,7 +80,7 @@ def stage_contexts(source: Any, schedule: WorkSchedule, compiled: Sequence[Any],
         ctxs.append(OpContext(
             num_lanes=source.num_lanes, lanes=tuple(lanes), rank=rank,
             world_size=world_size, seed=source.seed, stage_index=i,
-            stage_name=c.name, microbatch_size=microbatch_size(c, runner),
+            stage_name=c.name, microbatch_size=microbatch_size(c, pool_spec),
             component_weights=weights if len(weights) > 1 else None, plan=plan,
         ))
         # Stages after one of these see token arrays (mixtures weigh by tokens).
@@ -83,19 +88,21 @@ def stage_contexts(source: Any, schedule: WorkSchedule, compiled: Sequence[Any],
     return ctxs
 
 
-def microbatch_size(c: Any, runner: str) -> int | None:
+def microbatch_size(c: Any, pool_spec: PoolSpec) -> int | None:
     """The stage's micro-batch size: the override, else the operator's default.
 
-    Under the process runner an elementwise stage without an override
-    takes at least ``_PROCESS_MICROBATCH`` elements: each micro-batch pays
-    a round trip to a worker, and an elementwise operator's output does
-    not depend on where micro-batches are cut.
+    Where the pool asks for it (``min_elementwise_microbatch``: the process
+    pool's ``_PROCESS_MICROBATCH``), an elementwise stage without an
+    override takes at least that many elements: each micro-batch pays a
+    round trip to a worker, and an elementwise operator's output does not
+    depend on where micro-batches are cut.
     """
-    if c.microbatch_size is not None or runner != "process" or c.local:
+    least = pool_spec.min_elementwise_microbatch
+    if c.microbatch_size is not None or least is None or c.local:
         return c.microbatch_size
     if not c.op.traits().elementwise or placement_options(c.op) is not None:
         return None
-    return max(c.op.default_microbatch_size, _PROCESS_MICROBATCH)
+    return max(c.op.default_microbatch_size, least)
 
 
 def remote_stages(compiled: Sequence[Any]) -> list[int]:
@@ -104,16 +111,17 @@ def remote_stages(compiled: Sequence[Any]) -> list[int]:
 
 
 def make_pools(compiled: Sequence[Any], ctxs: list[OpContext], remote: Sequence[int], *,
-               runner: str, num_workers: int,
+               pool_spec: PoolSpec, num_workers: int,
                task_timeout: float | None) -> tuple[Pool, Pool | None]:
-    """The local pool of ``runner``, and the Ray pool of the remote stages (None if none).
+    """The local pool ``pool_spec`` makes, and the Ray pool of the remote stages (None if
+    none).
 
     The local pool gets a stand-in for each remote stage. If the Ray pool
     cannot be made, the local pool is closed before the error propagates.
     """
     ops = [c.op for c in compiled]
-    pool = _local_pool([_RemoteStandIn() if i in remote else op for i, op in enumerate(ops)],
-                       ctxs, runner=runner, num_workers=num_workers, task_timeout=task_timeout)
+    pool = pool_spec.make([_RemoteStandIn() if i in remote else op for i, op in enumerate(ops)],
+                          ctxs, num_workers, task_timeout)
     if not remote:
         return pool, None
     from zephon_torch.runners.ray import RayPool
@@ -146,21 +154,17 @@ def _process_pool(ops: list[Any], ctxs: list[OpContext], num_workers: int,
     return pool
 
 
-#: The local pool of each stage-pool runner (``executor.StagePoolExecutor``).
-_POOLS: dict[str, Callable[[list[Any], list[OpContext], int, float | None], Pool]] = {
-    "inline": _inline_pool,
-    "threads": _thread_pool,
-    "process": _process_pool,
-}
-
-
-def _local_pool(ops: list[Any], ctxs: list[OpContext], *, runner: str, num_workers: int,
-                task_timeout: float | None) -> Pool:
-    return _POOLS[runner](ops, ctxs, num_workers, task_timeout)
+#: Every stage on the iterating thread (``runner="inline"``, and each lane worker).
+INLINE_POOL = PoolSpec(_inline_pool, on_this_thread=True)
+#: Threads of this process (``runner="threads"``).
+THREAD_POOL = PoolSpec(_thread_pool)
+#: Spawned worker processes (``runner="process"``).
+PROCESS_POOL = PoolSpec(_process_pool, min_elementwise_microbatch=_PROCESS_MICROBATCH)
 
 
 def make_stages(compiled: Sequence[Any], ctxs: Sequence[OpContext], *, remote: Sequence[int],
-                pool: Pool, ray_pool: Any, runner: str, deterministic: bool) -> list[Stage]:
+                pool: Pool, ray_pool: Any, pool_spec: PoolSpec,
+                deterministic: bool) -> list[Stage]:
     """One engine :class:`Stage` per compiled stage, each with a fresh accumulator.
 
     A stage takes blocks while the stream is records (before the first
@@ -183,7 +187,7 @@ def make_stages(compiled: Sequence[Any], ctxs: Sequence[OpContext], *, remote: S
                 max_in_flight=ray_pool.max_in_flight(i),
             ))
             continue
-        local = c.local or runner == "inline"
+        local = c.local or pool_spec.on_this_thread
         stages.append(Stage(i, c.name, c.op, acc, pool, local=local, stalls=stalls,
                             blocks=blocks))
     return stages
@@ -202,7 +206,7 @@ def make_run(source: Any, schedule: WorkSchedule, compiled: Sequence[Any],
              ctxs: Sequence[OpContext], *, lanes: Sequence[int], flush_every: int,
              plan: ResumePlan | None, replay_targets: dict[int, tuple[tuple, int, int]],
              on_chunk: Callable[[Chunk], None], on_drop: Callable[[Any], None],
-             remote: Sequence[int], pool: Pool, ray_pool: Any, runner: str,
+             remote: Sequence[int], pool: Pool, ray_pool: Any, pool_spec: PoolSpec,
              deterministic: bool, num_workers: int) -> Run:
     """Stages, source emitter and engine for ``lanes``, started afresh or as ``plan`` says.
 
@@ -217,7 +221,7 @@ def make_run(source: Any, schedule: WorkSchedule, compiled: Sequence[Any],
     replay_filter.targets = replay_targets  # read by the accumulator make_stages creates
     replay_filter.on_drop = on_drop
     stages = make_stages(compiled, ctxs, remote=remote, pool=pool, ray_pool=ray_pool,
-                         runner=runner, deterministic=deterministic)
+                         pool_spec=pool_spec, deterministic=deterministic)
     emitter = SourceEmitter(
         schedule, source.datasets, lanes=lanes, flush_every=flush_every, on_chunk=on_chunk,
         start=None if plan is None else plan.start,

@@ -1,13 +1,15 @@
 """Executors: where the work of one iterator runs, behind one interface.
 
 ``PipelineIterator`` (``iterator.py``) keeps the books and hands items over
-in lane order; what produces the items is its *executor*, chosen by name
-from :data:`EXECUTORS`::
+in lane order; what produces the items is its *executor*, the class the
+runner's description names (a :class:`~zephon_torch.runners.spec.RunnerSpec`,
+registered in ``registry.py``)::
 
     "inline", "threads", "process"  StagePoolExecutor: the stages run by the
                                     engine (``engine.py``) on this thread, their
-                                    micro-batches on a pool (``base.py``,
-                                    ``process.py``; remote stages on Ray)
+                                    micro-batches on the runner's pool (its
+                                    ``PoolSpec``: ``base.py``, ``process.py``;
+                                    remote stages on Ray)
     "lanes"                         LaneExecutor: worker processes run the whole
                                     pipeline of their lanes (``lanes.py``)
 
@@ -16,8 +18,8 @@ an epoch (its pools), :meth:`Executor.build` a run from a position (the
 engine), :meth:`Executor.pump` advances it until units wait in
 :attr:`Executor.outputs`. Every executor yields, per lane, the same units in
 the same order, so no output byte depends on which one runs. Adding a
-runner is one module with an :class:`Executor` and one entry in
-:data:`EXECUTORS` (and its name in ``options.RUNNERS``).
+runner is one module (an :class:`Executor`, or a pool for
+:class:`StagePoolExecutor`) and one entry in ``registry.py``.
 """
 
 from __future__ import annotations
@@ -25,18 +27,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zephon_torch.runners import resume
 from zephon_torch.runners.assembly import make_pools, make_run, stage_contexts
 from zephon_torch.runners.base import Pool
 from zephon_torch.runners.engine import Stage
 from zephon_torch.runners.lanes import LaneJob, LaneRun
-from zephon_torch.runners.options import RunOptions
+from zephon_torch.runners.spec import RunnerSpec
 from zephon_torch.sources.schedule import Chunk, WorkSchedule
 from zephon_torch.topology import lane_shares
 
-__all__ = ["EXECUTORS", "Executor", "LaneExecutor", "StagePoolExecutor", "make_executor"]
+if TYPE_CHECKING:  # the options are checked against the registry, which names these classes
+    from zephon_torch.runners.options import RunOptions
+
+__all__ = ["Executor", "LaneExecutor", "StagePoolExecutor", "make_executor"]
 
 #: A checked resume state's replay targets, per lane (``resume.plan_resume``).
 Targets = dict[int, tuple[tuple, int, int]]
@@ -47,13 +52,14 @@ class Executor(ABC):
 
     Args:
         options: The run's options.
-        runner: The runner it runs as (``options.runner``, or ``"inline"``
-            where worker processes cannot start).
+        runner: The description of the runner it runs as (``options.runner``'s,
+            or its fallback's where worker processes cannot start).
         lanes: The lanes of the iterator.
         rank, world_size: The settled topology.
         default_workers: The worker count when none was asked for.
 
     Attributes:
+        runner: The runner's name; ``spec`` its description.
         num_workers: The worker count it runs with.
         stages: The engine's stages (empty where the stages run elsewhere).
         emitter: The source's emitter, or a view of the schedule that
@@ -61,10 +67,11 @@ class Executor(ABC):
         engine: What :meth:`pump` drives.
     """
 
-    def __init__(self, options: RunOptions, runner: str, *, lanes: Sequence[int], rank: int,
-                 world_size: int, default_workers: int, stacklevel: int) -> None:
+    def __init__(self, options: RunOptions, runner: RunnerSpec, *, lanes: Sequence[int],
+                 rank: int, world_size: int, default_workers: int, stacklevel: int) -> None:
         self.options = options
-        self.runner = runner
+        self.spec = runner
+        self.runner = runner.name
         self.lanes = list(lanes)
         self.rank = rank
         self.world_size = world_size
@@ -131,10 +138,14 @@ class Executor(ABC):
 
 
 class StagePoolExecutor(Executor):
-    """The engine over the stages, their micro-batches on a pool of ``runner``."""
+    """The engine over the stages, their micro-batches on the runner's pool."""
 
-    def __init__(self, options: RunOptions, runner: str, **kwargs: Any) -> None:
+    def __init__(self, options: RunOptions, runner: RunnerSpec, **kwargs: Any) -> None:
         super().__init__(options, runner, **kwargs)
+        if runner.pool is None:
+            raise ValueError(f"runner {runner.name!r} runs a StagePoolExecutor but describes "
+                             "no pool (RunnerSpec.pool)")
+        self.pool_spec = runner.pool
         self.pool: Pool | None = None
         self.ray_pool: Pool | None = None
         self._ctxs: list[Any] = []
@@ -147,9 +158,9 @@ class StagePoolExecutor(Executor):
         self._compiled = compiled
         self._ctxs = stage_contexts(run.source, schedule, compiled, lanes=self.lanes,
                                     rank=self.rank, world_size=self.world_size,
-                                    runner=self.runner)
+                                    pool_spec=self.pool_spec)
         self.pool, self.ray_pool = make_pools(
-            compiled, self._ctxs, remote, runner=self.runner, num_workers=self.num_workers,
+            compiled, self._ctxs, remote, pool_spec=self.pool_spec, num_workers=self.num_workers,
             task_timeout=self.options.task_timeout)
 
     def build(self, source: Any, state: Mapping[str, Any] | None,
@@ -161,7 +172,8 @@ class StagePoolExecutor(Executor):
             source, self._schedule, self._compiled, self._ctxs, lanes=self.lanes,
             flush_every=flush_every, plan=plan, replay_targets=targets,
             on_chunk=on_chunk, on_drop=on_drop, remote=self.remote,
-            pool=self.pool, ray_pool=self.ray_pool, runner=self.runner,  # type: ignore[arg-type]
+            pool=self.pool, ray_pool=self.ray_pool,  # type: ignore[arg-type]
+            pool_spec=self.pool_spec,
             deterministic=options.deterministic, num_workers=self.num_workers)
         self.stages = run.stages
         self.emitter = run.emitter
@@ -222,7 +234,7 @@ class LaneExecutor(Executor):
     """Lane worker processes, each running the whole pipeline of its share of the lanes
     (a :class:`~zephon_torch.runners.lanes.LaneRun`)."""
 
-    def __init__(self, options: RunOptions, runner: str, *, lanes: Sequence[int],
+    def __init__(self, options: RunOptions, runner: RunnerSpec, *, lanes: Sequence[int],
                  default_workers: int, stacklevel: int, **kwargs: Any) -> None:
         super().__init__(options, runner, lanes=lanes, default_workers=default_workers,
                          stacklevel=stacklevel, **kwargs)
@@ -235,7 +247,7 @@ class LaneExecutor(Executor):
                 remote: list[int]) -> None:
         if remote:
             raise ValueError(
-                f"runner='lanes' runs every stage in the lane workers, but stage(s) "
+                f"runner={self.runner!r} runs every stage in the lane workers, but stage(s) "
                 f"{[compiled[i].name for i in remote]} are placed on Ray "
                 "(placement='remote'); use runner='threads' or 'process' for them"
             )
@@ -302,20 +314,11 @@ class LaneExecutor(Executor):
             self.engine.close()
 
 
-#: The executor of each runner name: adding a runner is one module and one entry here.
-EXECUTORS: dict[str, type[Executor]] = {
-    "inline": StagePoolExecutor,
-    "threads": StagePoolExecutor,
-    "process": StagePoolExecutor,
-    "lanes": LaneExecutor,
-}
-
-
-def make_executor(options: RunOptions, runner: str, *, stacklevel: int = 2,
+def make_executor(options: RunOptions, runner: RunnerSpec, *, stacklevel: int = 2,
                   **kwargs: Any) -> Executor:
-    """The executor of ``runner`` (``options.runner``, or what it settled to).
+    """The executor of ``runner`` (``options.runner``'s description, or what it settled to).
 
     ``stacklevel`` is the one a warning issued by the caller itself would use;
     the executor's constructor gets it as counted from its own frame.
     """
-    return EXECUTORS[runner](options, runner, stacklevel=stacklevel + 2, **kwargs)
+    return runner.executor(options, runner, stacklevel=stacklevel + 2, **kwargs)

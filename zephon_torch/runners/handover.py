@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from zephon_torch.accounting import Accounting
-from zephon_torch.block import MIXED, Block, BlockBatch, PlainRows, Sentinel
+from zephon_torch.block import Block, Sentinel
+from zephon_torch.block_views import MIXED, BlockBatch, PlainRows
 from zephon_torch.runners.lanes import Finished
 from zephon_torch.types import SampleRecord, records_from_columns
 from zephon_torch.vocab import FLUSH_SENTINEL_TAG, TOMBSTONE_TAG

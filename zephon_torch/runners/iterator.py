@@ -9,9 +9,10 @@ lane's input, so that order, and every byte, is the same whatever the runner,
 the worker count or the micro-batch sizes.
 
 This module is the consumer loop: it asks its executor (``executor.py``,
-chosen by runner name) for output, routes what comes out to per-lane queues
-and hands items over (``handover.py``), and reports each event once to the
-run's books (``accounting.py``). Saving and loading a position
+the one the runner's description in ``registry.py`` names) for output,
+routes what comes out to per-lane queues and hands items over
+(``handover.py``), and reports each event once to the run's books
+(``accounting.py``). Saving and loading a position
 (``state_dict``/``load_state_dict``) go through ``resume.py``; ``stats()``
 and the end-of-pass reports live in ``report.py``.
 
@@ -47,6 +48,7 @@ from zephon_torch.runners.engine import Stage
 from zephon_torch.runners.executor import Executor, make_executor
 from zephon_torch.runners.handover import Handover
 from zephon_torch.runners.options import ITER_KWARGS, RUNNERS, RunOptions
+from zephon_torch.runners.registry import runner_spec
 from zephon_torch.runners.report import Report
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.sources.schedule import Chunk
@@ -112,17 +114,17 @@ class PipelineIterator(Handover, Report):
             options = RunOptions(**kwargs)
         elif kwargs:
             raise TypeError(f"PipelineIterator takes options or keywords, not both: {kwargs}")
-        runner = options.runner
-        if runner in ("process", "lanes") and multiprocessing.current_process().daemon:
+        spec = runner_spec(options.runner)
+        if spec.starts_processes and multiprocessing.current_process().daemon:
             warnings.warn(
-                f"runner={runner!r} inside a daemonic process (a torch DataLoader worker) "
-                "cannot start worker processes; falling back to runner='inline'",
+                f"runner={spec.name!r} inside a daemonic process (a torch DataLoader worker) "
+                f"cannot start worker processes; falling back to runner={spec.fallback!r}",
                 RuntimeWarning, stacklevel=3,
             )
-            runner = "inline"
+            spec = runner_spec(spec.fallback)
         self.options = options
         self.pipeline = pipeline
-        self.runner = runner
+        self.runner = spec.name
         self.deterministic = options.deterministic
         self.verify = bool(options.verify)
         self.task_timeout = options.task_timeout
@@ -131,9 +133,9 @@ class PipelineIterator(Handover, Report):
         self.rank, self.world_size = resolve_topology(options.rank, options.world_size)
         self.lanes = owned_lanes(src.num_lanes, self.rank, self.world_size, options.lanes)
         self._closed = False
-        # Where the work runs: one executor per runner name (executor.EXECUTORS).
+        # Where the work runs: the executor the runner's description names (registry.py).
         self.executor: Executor = make_executor(
-            options, runner, lanes=self.lanes, rank=self.rank, world_size=self.world_size,
+            options, spec, lanes=self.lanes, rank=self.rank, world_size=self.world_size,
             default_workers=max(1, min(4, os.cpu_count() or 1)), stacklevel=3)
         self.num_workers = self.executor.num_workers
 

@@ -92,9 +92,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from zephon_torch.accounting import Accounting
-from zephon_torch.block import Block, BlockBatch
+from zephon_torch.block import Block
+from zephon_torch.block_views import BlockBatch
 from zephon_torch.runners import resume, shm, wire
 from zephon_torch.runners.assembly import (
+    INLINE_POOL,
     make_pools,
     make_run,
     make_schedule,
@@ -182,8 +184,8 @@ class _WorkerRun:
         schedule = make_schedule(source)
         compiled = pipeline.compile(job.microbatch_sizes)
         ctxs = stage_contexts(source, schedule, compiled, lanes=lanes, rank=job.rank,
-                              world_size=job.world_size, runner="inline")
-        self.pool, _ = make_pools(compiled, ctxs, [], runner="inline", num_workers=1,
+                              world_size=job.world_size, pool_spec=INLINE_POOL)
+        self.pool, _ = make_pools(compiled, ctxs, [], pool_spec=INLINE_POOL, num_workers=1,
                                   task_timeout=None)
         flush_every = pipeline.flush_every()
         targets: dict[int, tuple[tuple, int, int]] = {}
@@ -198,7 +200,7 @@ class _WorkerRun:
                        plan=plan, replay_targets=targets,
                        on_chunk=lambda chunk: self.events.append(("chunk", chunk)),
                        on_drop=self._dropped,
-                       remote=[], pool=self.pool, ray_pool=None, runner="inline",
+                       remote=[], pool=self.pool, ray_pool=None, pool_spec=INLINE_POOL,
                        deterministic=job.deterministic, num_workers=1)
         self.engine = run.engine
         self.stages = run.stages

@@ -6,7 +6,9 @@ the loader read the same object, so that a value is checked in one place and
 every refusal says the same words wherever it came from. The options hold
 what was asked, not what a machine makes of it: the rank's lanes, the
 default worker count and the runner of a daemonic process are settled by the
-iterator (``iterator.py``) and its executor (``executor.py``).
+iterator (``iterator.py``) and its executor (``executor.py``). Which runners
+exist and which options each takes is read from their descriptions
+(``registry.py``), never from a list of names here.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from zephon_torch.epochs import check_epoch
+from zephon_torch.runners.registry import RUNNER_SPECS
 
 __all__ = ["ITER_KWARGS", "RUNNERS", "RunOptions", "check_loader_workers", "check_runner"]
 
-#: The runners ``Pipeline.iter`` takes (each is an entry of ``executor.EXECUTORS``).
-RUNNERS = ("inline", "threads", "process", "lanes")
+#: The runners ``Pipeline.iter`` takes, in the order of their entries in ``registry.py``.
+RUNNERS: tuple[str, ...] = tuple(RUNNER_SPECS)
 #: The keyword arguments of ``Pipeline.iter`` (the torch wrappers check theirs against it).
 ITER_KWARGS = ("runner", "num_workers", "deterministic", "rank", "world_size",
                "microbatch_sizes", "lanes", "verify", "task_timeout", "epoch")
@@ -28,9 +31,17 @@ ITER_KWARGS = ("runner", "num_workers", "deterministic", "rank", "world_size",
 
 def check_runner(runner: Any) -> str:
     """``runner`` if it names a runner, else the ValueError every entry point raises."""
-    if runner not in RUNNERS:
-        raise ValueError(f"unknown runner {runner!r}; use one of {list(RUNNERS)}")
+    names = tuple(RUNNER_SPECS)  # compared by equality: an unhashable value is refused too
+    if runner not in names:
+        raise ValueError(f"unknown runner {runner!r}; use one of {list(names)}")
     return runner
+
+
+def _runners_that(question: str) -> str:
+    """The runners whose description answers ``question`` with True, as the words of a
+    refusal: ``runner='process'`` (several: joined with " or ")."""
+    return " or ".join(f"runner={name!r}" for name, spec in RUNNER_SPECS.items()
+                       if getattr(spec, question))
 
 
 def _is_count(value: Any) -> bool:
@@ -70,14 +81,15 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         runner = check_runner(self.runner)
-        if self.task_timeout is not None and runner != "process":
+        spec = RUNNER_SPECS[runner]
+        if self.task_timeout is not None and not spec.takes_task_timeout:
             raise ValueError(
-                f"task_timeout={self.task_timeout!r} needs runner='process' (only a worker "
-                f"process can be stopped; a thread cannot), got runner={runner!r}"
+                f"task_timeout={self.task_timeout!r} needs {_runners_that('takes_task_timeout')} "
+                f"(only a worker process can be stopped; a thread cannot), got runner={runner!r}"
             )
-        if (self.finish is not None or self.prefetch is not None) and runner != "lanes":
-            raise ValueError(f"finish= and prefetch= apply to runner='lanes', got runner="
-                             f"{runner!r}")
+        if (self.finish is not None or self.prefetch is not None) and not spec.takes_finish:
+            raise ValueError(f"finish= and prefetch= apply to {_runners_that('takes_finish')}, "
+                             f"got runner={runner!r}")
         workers = self.num_workers
         if workers is not None and (not _is_count(workers) or workers < 1):
             raise ValueError(f"num_workers must be a positive integer, got {workers!r}")

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zephon_torch._extras import require
+from zephon_torch.block_columns import Ragged, concat_columns
 from zephon_torch.sources.base import Shard, count_read
 from zephon_torch.sources.caches import KeyedLocks, ReadOnceCache
 from zephon_torch.sources.formats.common import (
@@ -120,15 +121,13 @@ def _column_values(column: Any) -> list[Any]:
 def _table_columns(table: Any, rows: np.ndarray) -> dict[str, Any] | None:
     """Rows of a decoded row group as columns (see :meth:`ParquetDataset.read_columns`).
 
-    A list column of numbers becomes a :class:`~zephon_torch.block.Ragged`
+    A list column of numbers becomes a :class:`~zephon_torch.block_columns.Ragged`
     column: each row's run of values copied from the row group's buffers
     into one array of its own (no Arrow ``take``); other columns become
     lists. None for a column that cannot be held so (nulls in a token
     column, fixed-size lists).
     """
     import pyarrow as pa
-
-    from zephon_torch.block import Ragged
 
     n = rows.size
     contiguous = bool(n) and int(rows[-1]) - int(rows[0]) == n - 1 and bool(
@@ -381,15 +380,13 @@ class ParquetDataset(FileDataset):
         """The rows ``local_ids`` (in that order) as columns, for a block of rows.
 
         A list column of numbers without nulls becomes one
-        :class:`~zephon_torch.block.Ragged` column sliced from Arrow's
+        :class:`~zephon_torch.block_columns.Ragged` column sliced from Arrow's
         offsets (its values copied once, so they are writable and hold no
         Arrow memory), with no Python per row; any other column becomes a
         list of Python values. Row ``i`` of the columns is exactly what
         :meth:`read` gives for it. None when a column cannot be held so (a
         null list, a fixed-size list): the caller then reads rows.
         """
-        from zephon_torch.block import concat_columns
-
         ids = self._check_ids(shard_id, local_ids)
         if not ids.size:
             return None

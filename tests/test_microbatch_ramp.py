@@ -19,7 +19,7 @@ from harness import assert_same, collect
 from zephon_torch.ops.accumulators import CountingAccumulator
 from zephon_torch.ops.base import Operator
 from zephon_torch.pipeline import Pipeline
-from zephon_torch.types import SampleRecord
+from zephon_torch.types import SampleMeta, SampleRecord
 
 
 class Recorded(Operator):
@@ -50,13 +50,24 @@ def _fresh() -> None:
     Recorded.seen.clear()
 
 
-def test_a_lanes_micro_batches_double_from_eight_to_the_stage_size() -> None:
+def test_a_lanes_first_chunk_is_cut_in_growing_micro_batches_then_the_stage_size() -> None:
     collect(_pipe(Recorded()), runner="inline")
     for lane in (0, 1):
         sizes = [size for seen_lane, size in Recorded.seen if seen_lane == lane]
-        assert sizes[:5] == [8, 16, 32, 64, 64], sizes
+        # The first chunk (100 records): 8, 16, 32 and the rest of it, held back
+        # for nothing; then micro-batches of 64 across chunks.
+        assert sizes[:5] == [8, 16, 32, 44, 64], sizes
         assert sum(sizes) == 300
         assert all(size <= 64 for size in sizes)
+
+
+def test_a_first_push_longer_than_the_ramp_goes_on_at_the_stage_size() -> None:
+    acc = CountingAccumulator(64, ramp_from=8)
+    records = [SampleRecord(SampleMeta((0, 0, i), 0, 0, i, {0: 1}), {"i": i})
+               for i in range(300)]
+    sizes = [len(b) for b in acc.push_many(records)]
+    assert sizes == [8, 16, 32, 64, 64, 64, 52]
+    assert [len(b) for b in acc.push_many(records[:100])] == [64]
 
 
 def test_the_output_is_that_of_full_size_micro_batches() -> None:

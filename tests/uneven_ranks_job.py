@@ -37,7 +37,7 @@ def _boom(payload: dict[str, str]) -> dict[str, str]:
     return payload
 
 
-FAILING = "d35"  # in rank 1's first chunk of epoch 0
+FAILING = "d21"  # in the first chunk of lane 1, the first lane of rank 1 (epoch 0)
 
 
 def pipeline(name: str) -> zt.Pipeline:

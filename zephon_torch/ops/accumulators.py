@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 from zephon_torch.block import Block
@@ -136,11 +137,15 @@ class CountingAccumulator(Accumulator):
             operators pass ``None`` when ``deterministic=True``.
         drop_last: At end of stream, discard partial micro-batches instead of
             emitting them (they are reported by :meth:`take_dropped`).
-        ramp_from: If set, a lane's first micro-batch holds this many elements
-            and each next one twice as many, up to ``max_batch``: the first
-            results of a lane (and of a resume) come after little work, the
-            steady state runs at the full size. Only for operators whose
-            output does not depend on where micro-batches are cut.
+        ramp_from: If set, what a lane's first push brings is cut into
+            micro-batches of this many elements, then twice as many each
+            time, up to ``max_batch``, the last taking the rest of the push
+            (none of it is held back); later pushes are cut at the full size.
+            The first results of a lane (and of a resume) come after little
+            work, consecutive micro-batches of one lane read the same parts
+            of its files, and the steady state runs at the full size. Only
+            for operators whose output does not depend on where micro-batches
+            are cut.
     """
 
     def __init__(self, max_batch: int, *, max_latency_ms: float | None = None,
@@ -153,8 +158,8 @@ class CountingAccumulator(Accumulator):
                                       or isinstance(ramp_from, bool) or ramp_from < 1):
             raise ValueError(f"ramp_from must be a positive integer or None, got {ramp_from!r}")
         self.max_batch = max_batch
-        # Lanes still ramping: their next micro-batch's size (see ``ramp_from``).
-        self._ramp: dict[int, int] = {}
+        # Lanes whose first push has been cut (see ``ramp_from``).
+        self._ramped: set[int] = set()
         self._ramp_from = ramp_from if ramp_from is not None and ramp_from < max_batch else None
         self.max_latency_ms = max_latency_ms
         self.drop_last = drop_last
@@ -179,7 +184,7 @@ class CountingAccumulator(Accumulator):
             self._rows[lane] = 0
             if self.max_latency_ms is not None:
                 self._since[lane] = time.monotonic()
-        if self._ramp_from is not None and self._ramp.get(lane, self._ramp_from) < self.max_batch:
+        if self._ramp_from is not None and lane not in self._ramped:
             return self._push_block_ramping(lane, block)
         size = self.max_batch
         have = self._rows[lane] + n
@@ -199,38 +204,24 @@ class CountingAccumulator(Accumulator):
             del self._blocks[lane], self._rows[lane]
         return ready
 
-    def _next_size(self, lane: int) -> int:
-        """The size of the lane's next micro-batch; counts it as served."""
-        if self._ramp_from is None:
-            return self.max_batch
-        size = self._ramp.get(lane, self._ramp_from)
-        if size < self.max_batch:
-            self._ramp[lane] = min(self.max_batch, size * 2)
-        return size
+    def _ramp_cuts(self, lane: int, have: int) -> list[int]:
+        """Where a lane's first push of ``have`` elements is cut (see ``ramp_from``)."""
+        self._ramped.add(lane)
+        cuts, start, size = [], 0, self._ramp_from or self.max_batch
+        while have - start > size:
+            start += size
+            cuts.append(start)
+            size = min(self.max_batch, size * 2)
+        return [*cuts, have]
 
     def _push_block_ramping(self, lane: int, block: Block) -> list[Block]:
-        """:meth:`push_block` for a lane whose micro-batches still grow."""
-        held = self._blocks[lane]
-        have = self._rows[lane] + len(block)
-        size = self._ramp.get(lane, self._ramp_from or self.max_batch)
-        if have < size:
-            held.append(block)
-            self._rows[lane] = have
-            return []
+        """:meth:`push_block` for a lane's first push: cut in growing micro-batches."""
+        held = self._blocks.pop(lane)
         whole = Block.concat([*held, block]) if held else block
-        ready, start = [], 0
-        while have - start >= self._ramp.get(lane, self._ramp_from or self.max_batch):
-            size = self._next_size(lane)
-            ready.append(whole.slice(start, start + size))
-            start += size
-        if start < have:
-            self._blocks[lane] = [whole.slice(start, have)]
-            self._rows[lane] = have - start
-            if self.max_latency_ms is not None:
-                self._since[lane] = time.monotonic()
-        else:
-            del self._blocks[lane], self._rows[lane]
-        return ready
+        del self._rows[lane]
+        self._since.pop(lane, None)
+        starts = [0, *self._ramp_cuts(lane, len(whole))]
+        return [whole.slice(a, b) for a, b in pairwise(starts)]
 
     def _take_blocks(self, lane: int) -> Block | None:
         held = self._blocks.pop(lane, None)
@@ -248,7 +239,6 @@ class CountingAccumulator(Accumulator):
         ready: list[list[Any]] = []
         buffers = self._buffers
         size = self.max_batch
-        ramping = self._ramp_from is not None
         timed = self.max_latency_ms is not None
         for elem in elems:
             lane = elem.meta.lane_id if type(elem) is SampleRecord else lane_of(elem)
@@ -258,13 +248,11 @@ class CountingAccumulator(Accumulator):
             if timed and not buf:
                 self._since[lane] = time.monotonic()
             buf.append(elem)
-            if ramping:
-                size = self._ramp.get(lane, self._ramp_from or self.max_batch)
             if len(buf) >= size:
-                if ramping:
-                    self._next_size(lane)
                 ready.append(buf)
                 buffers[lane] = []
+        # (A push of several lanes' records is cut at the full size.)
+        self._ramped.update(buffers)
         return ready
 
     def _push_lane(self, lane: int, elems: Sequence[Any]) -> list[list[Any]]:
@@ -274,14 +262,10 @@ class CountingAccumulator(Accumulator):
             buf.extend(elems)
         else:
             buf = list(elems)
-        if self._ramp_from is not None and self._ramp.get(lane, self._ramp_from) < self.max_batch:
-            ready, start = [], 0
-            while len(buf) - start >= self._ramp.get(lane, self._ramp_from):
-                size = self._next_size(lane)
-                ready.append(buf[start:start + size])
-                start += size
-            self._buffers[lane] = buf[start:]
-            return ready
+        if self._ramp_from is not None and lane not in self._ramped:
+            starts = [0, *self._ramp_cuts(lane, len(buf))]
+            self._buffers[lane] = []
+            return [buf[a:b] for a, b in pairwise(starts)]
         size = self.max_batch
         if len(buf) < size:
             self._buffers[lane] = buf

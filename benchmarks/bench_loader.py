@@ -375,6 +375,9 @@ def main() -> None:
                         help="text: JSONL, tokenized; token: pre-tokenized Parquet")
     parser.add_argument("--mb", type=float, default=60.0, help="corpus size (of the text "
                         "the token corpus is made from, for --job token)")
+    parser.add_argument("--doc-words", type=int, default=None,
+                        help="text job: documents of about this many words each (600 makes "
+                        "them about 3.6 KB) instead of the heavy-tailed mix")
     parser.add_argument("--lanes", type=int, default=None,
                         help="zephon's num_lanes (default: max(1, num_workers))")
     parser.add_argument("--shuffle", type=int, default=0,
@@ -396,7 +399,7 @@ def main() -> None:
         run_child(args)
         return
 
-    files, tokenizer = job_data(args.job, args.mb)
+    files, tokenizer = job_data(args.job, args.mb, args.doc_words)
     counts = [int(w) for w in str(args.workers).split(",")]
     torch_names = ("torch",) if args.job == "text" else ("torch", "torch-np")
     extra = [r for r in str(args.runners).split(",") if r != "lanes"]
@@ -407,7 +410,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, w in contenders:
             runs[(name, w)].append(child(name, w, "throughput", files, tokenizer, args))
-    what = ("JSONL, tokenize" if args.job == "text" else
+    what = ("JSONL, tokenize" if args.job == "text" and not args.doc_words else
+            f"JSONL of ~{args.doc_words}-word documents, tokenize" if args.job == "text" else
             "(as text) pre-tokenized Parquet, several row groups a shard,")
     shuffled = f" + shuffle {args.shuffle} rows" if args.shuffle else ""
     print(f"loader benchmark ({args.job} job): {args.mb:g} MB {what} + pack {ROW}{shuffled} + "
@@ -461,11 +465,11 @@ def main() -> None:
     print("target: zephon mean wait < 1% of the step")
 
 
-def job_data(job: str, mb: float) -> tuple[list[Path], Path]:
+def job_data(job: str, mb: float, words: int | None = None) -> tuple[list[Path], Path]:
     """The files of ``job`` and the tokenizer (generated once under ``benchmarks/.data``)."""
     if job == "text":
-        corpus = make_corpus(mb)
-        return sorted(corpus.glob("*.jsonl")), make_tokenizer(corpus)
+        corpus = make_corpus(mb, words=words)
+        return sorted(corpus.glob("*.jsonl")), make_tokenizer(make_corpus(mb))
     from _compare_data import make_corpus as make_compare_corpus
     from _compare_data import make_token_shards_rg, parquet_files
     from _compare_data import make_tokenizer as make_compare_tokenizer

@@ -49,9 +49,10 @@ WORDS = (
 # ---------------------------------------------------------------- data
 
 
-def make_corpus(mb: float, seed: int = 0) -> Path:
-    """JSONL shards (4 MB each) of heavy-tailed documents, ``mb`` megabytes in all."""
-    folder = DATA / f"corpus-{mb:g}mb"
+def make_corpus(mb: float, seed: int = 0, words: int | None = None) -> Path:
+    """JSONL shards (4 MB each) of heavy-tailed documents, ``mb`` megabytes in all
+    (``words``: documents of about that many words each instead)."""
+    folder = DATA / (f"corpus-{mb:g}mb" if words is None else f"corpus-{mb:g}mb-{words}w")
     done = folder / ".done"
     if done.exists():
         return folder
@@ -63,7 +64,8 @@ def make_corpus(mb: float, seed: int = 0) -> Path:
         lines = []
         size = 0
         while size < 4_000_000 and written + size < target:
-            n = max(1, int(rng.lognormal(5.0, 1.1)))
+            n = (max(1, int(rng.lognormal(5.0, 1.1))) if words is None
+                 else max(1, int(rng.normal(words, words / 6))))
             words = rng.choice(len(WORDS), size=n)
             text = " ".join(WORDS[w] for w in words)
             line = json.dumps({"text": text}) + "\n"

@@ -200,3 +200,26 @@ def test_a_new_format_gets_its_builder_derived(
             builder(str(tmp_path / "n.txt"), colour="red")
     finally:
         delattr(Pipeline, "from_notes")
+
+
+def test_the_typed_keywords_are_the_source_options() -> None:
+    # SourceKwargs is what a type checker reads for **options; it must name the
+    # options SourceOptions defines, with the same types.
+    from zephon_torch.sources.options import SourceKwargs
+
+    assert tuple(SourceKwargs.__annotations__) == SOURCE_OPTION_NAMES
+    assert {k: getattr(v, "__forward_arg__", v)
+            for k, v in SourceKwargs.__annotations__.items()} == {
+        f.name: str(f.type) for f in dataclasses.fields(SourceOptions)}
+
+
+@pytest.mark.parametrize("builder", ["from_items", "from_jsonl", "from_sources"])
+def test_an_unknown_keyword_is_refused_in_pythons_words_before_anything_is_read(
+        builder: str, tmp_path: Path) -> None:
+    what: Any = {"from_items": ["a"], "from_jsonl": str(tmp_path / "missing.jsonl"),
+                 "from_sources": [zd.items(["a"])]}[builder]
+    with pytest.raises(TypeError, match=rf"^Pipeline\.{builder}\(\) got an unexpected "
+                                        r"keyword argument 'num_lane'$"):
+        getattr(Pipeline, builder)(what, num_lane=2)
+    with pytest.raises(TypeError, match="positional argument"):
+        getattr(Pipeline, builder)(what, None, 8)

@@ -236,13 +236,25 @@ class Pipeline:
             ValueError: An unknown runner, a bad worker count or topology, or
                 ``task_timeout`` without ``runner="process"``.
         """
-        from zephon_torch.runners.iterator import PipelineIterator
-
-        options = RunOptions(  # checked here, once
+        return self.run(RunOptions(  # checked here, once
             runner=runner, num_workers=num_workers, deterministic=deterministic,
             rank=rank, world_size=world_size, microbatch_sizes=microbatch_sizes, lanes=lanes,
             verify=verify, task_timeout=task_timeout, epoch=epoch,
-        )
+        ))
+
+    def run(self, options: RunOptions) -> PipelineIterator:
+        """Run the pipeline under checked options: the one entry point of every run.
+
+        :meth:`iter` makes the :class:`~zephon_torch.runners.options.RunOptions`
+        from its arguments; the integrations (``zephon_torch.DataLoader``,
+        the torchdata node, Lightning) make theirs, with the two fields only
+        lane workers take (``finish``, ``prefetch``), and come here.
+
+        Returns:
+            A :class:`~zephon_torch.runners.iterator.PipelineIterator`.
+        """
+        from zephon_torch.runners.iterator import PipelineIterator
+
         return PipelineIterator(self, options)
 
     def num_batches(self, *, rank: int | None = None, world_size: int | None = None,

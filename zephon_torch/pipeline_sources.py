@@ -9,13 +9,13 @@ class methods that build one, ``from_sources`` for a mixture and one
 ``Pipeline.from_jsonl(...)`` in ``help()``, in error messages and in the API
 reference, as the rest of the class does (``zephon_torch/_builder.py``).
 
-The source options (``num_lanes`` ... ``exhausted``) are spelled out in each
-builder's signature, with :class:`SourceConfig`'s defaults, so that an IDE and
-``help()`` show them; each builder collects them into one ``SourceOptions``
-(which checks them) and takes their docstring entries from it
-(:func:`~zephon_torch.sources.options.document_source_options`). A format's
-own options, and their defaults, are those of its factory
-(``zt.sources.<format>``).
+Each builder takes the source options (``num_lanes`` ... ``exhausted``) as
+``**options: Unpack[SourceKwargs]``, so a type checker knows them and no
+builder writes them out again; :func:`source_builder` spells them out in its
+run-time signature, with :class:`~zephon_torch.sources.SourceOptions`'
+defaults, so that an IDE and ``help()`` show them, and fills in their
+docstring entries. A format's own options, and their defaults, are those of
+its factory (``zt.sources.<format>``).
 
 A format registered with a builder name the class does not write out gets
 that builder derived from its factory (:func:`derived_builder`): the same
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from zephon_torch._builder import defaults_of, pipeline_class_method
@@ -39,11 +39,14 @@ from zephon_torch.sources.formats.registry import SourceFormat, format_named
 from zephon_torch.sources.mixing import check_weights
 from zephon_torch.sources.options import (
     SOURCE_OPTION_NAMES,
+    SourceKwargs,
     SourceOptions,
     document_source_options,
 )
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from zephon_torch.pipeline import Pipeline
 
 __all__ = ["SourceConfig", "attach_builder", "derived_builder"]
@@ -78,27 +81,83 @@ class SourceConfig(SourceOptions):
             check_weights(self.datasets, self.weights)
 
 
-_SOURCE = defaults_of(SourceConfig)
 _ITEMS = defaults_of(_datasets.items)
 _JSONL = defaults_of(_datasets.jsonl)
 _PARQUET = defaults_of(_datasets.parquet)
 _TEXT_FILES = defaults_of(_datasets.text_files)
 
 
-@pipeline_class_method
-@document_source_options
+def _from_datasets(cls: type[Pipeline], datasets: tuple[Dataset, ...],
+                   weights: tuple[float, ...] | None, options: SourceOptions) -> Pipeline:
+    """The pipeline of these datasets and weights, read with ``options``."""
+    return cls(SourceConfig(datasets=datasets, weights=weights, **options.as_dict()))
+
+def _from_format(cls: type[Pipeline], name: str, what: Any, options: Mapping[str, Any],
+                 **format_options: Any) -> Pipeline:
+    """One dataset of the registered format ``name``, made from ``what`` and
+    ``format_options``, read with the source ``options`` given to its builder."""
+    source_format = format_named(name)
+    builder = source_format.builder or f"from_{name}"
+    _check_option_names(builder, options)  # as Python would, before anything is read
+    dataset = source_format.open(what, **format_options)
+    return _from_datasets(cls, (dataset,), None, _source_options(builder, options))
+
+
+def _check_option_names(builder: str, options: Mapping[str, Any]) -> None:
+    """Refuse a keyword no builder parameter has, in Python's own words."""
+    for key in options:
+        if key not in SOURCE_OPTION_NAMES:
+            raise TypeError(f"Pipeline.{builder}() got an unexpected keyword argument {key!r}")
+
+
+def _source_options(builder: str, options: Mapping[str, Any]) -> SourceOptions:
+    """The :class:`SourceOptions` of the options given to ``builder``, with its defaults."""
+    _check_option_names(builder, options)
+    return SourceOptions(**{**_DEFAULTS.get(builder, {}), **options})
+
+
+#: Source-option defaults of a builder that differ from SourceOptions' own.
+_DEFAULTS: dict[str, dict[str, Any]] = {}
+
+
+def _source_parameters(defaults: Mapping[str, Any]) -> list[inspect.Parameter]:
+    """The source options as keyword-only parameters: names, annotations and defaults
+    of :class:`SourceOptions` (``defaults`` overrides some)."""
+    hints = {f.name: f.type for f in fields(SourceOptions)}
+    base = SourceOptions()
+    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[name],
+                              default=defaults.get(name, getattr(base, name)))
+            for name in SOURCE_OPTION_NAMES]
+
+
+def source_builder(**defaults: Any) -> Callable[[Callable[..., Pipeline]],
+                                                classmethod[Any, Any, Any]]:
+    """Make ``fn`` (``cls``, its own parameters, ``**options``) a ``Pipeline`` builder.
+
+    Its run-time signature spells out the source options after its own
+    parameters, with :class:`SourceOptions`' defaults or those given here
+    (``from_items``: ``shuffle=False``), so that ``help()``, an IDE and the
+    API reference show them; its docstring gets their entries
+    (:func:`~zephon_torch.sources.options.document_source_options`).
+    """
+    def make(fn: Callable[..., Pipeline]) -> classmethod[Any, Any, Any]:
+        if defaults:
+            _DEFAULTS[fn.__name__] = dict(defaults)
+        signature = inspect.signature(fn)
+        own = [p for p in signature.parameters.values()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        fn.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[*own, *_source_parameters(defaults)])
+        return pipeline_class_method(document_source_options(fn))
+    return make
+
+
+@source_builder()
 def from_sources(
     cls: type[Pipeline],
     sources: Sequence[Dataset],
     weights: Mapping[int, float] | Sequence[float] | None = None,
-    *,
-    num_lanes: int = _SOURCE.num_lanes,
-    chunk_size: int = _SOURCE.chunk_size,
-    seed: int = _SOURCE.seed,
-    flush_every_k_chunks: int | None = _SOURCE.flush_every_k_chunks,
-    passes: int | None = _SOURCE.passes,
-    shuffle: bool = _SOURCE.shuffle,
-    exhausted: str = _SOURCE.exhausted,
+    **options: Unpack[SourceKwargs],
 ) -> Pipeline:
     """Several datasets (mixture components) in one stream.
 
@@ -155,34 +214,15 @@ def from_sources(
         resolved = tuple(float(w) for w in weights)
     else:
         resolved = None
-    return _from_datasets(cls, datasets, resolved, SourceOptions.collect(locals()))
+    return _from_datasets(cls, datasets, resolved, _source_options("from_sources", options))
 
-def _from_datasets(cls: type[Pipeline], datasets: tuple[Dataset, ...],
-                   weights: tuple[float, ...] | None, options: SourceOptions) -> Pipeline:
-    """The pipeline of these datasets and weights, read with ``options``."""
-    return cls(SourceConfig(datasets=datasets, weights=weights, **options.as_dict()))
-
-def _from_format(cls: type[Pipeline], name: str, what: Any, arguments: Mapping[str, Any],
-                 **format_options: Any) -> Pipeline:
-    """One dataset of the registered format ``name``, made from ``what`` and
-    ``format_options``, read with the source options among ``arguments``."""
-    dataset = format_named(name).open(what, **format_options)
-    return _from_datasets(cls, (dataset,), None, SourceOptions.collect(arguments))
-
-@pipeline_class_method
-@document_source_options
+@source_builder(shuffle=False)
 def from_items(
     cls: type[Pipeline],
     items: Sequence[Any],
     *,
     on_error: OnError = _ITEMS.on_error,
-    num_lanes: int = _SOURCE.num_lanes,
-    chunk_size: int = _SOURCE.chunk_size,
-    seed: int = _SOURCE.seed,
-    flush_every_k_chunks: int | None = _SOURCE.flush_every_k_chunks,
-    passes: int | None = _SOURCE.passes,
-    shuffle: bool = False,
-    exhausted: str = _SOURCE.exhausted,
+    **options: Unpack[SourceKwargs],
 ) -> Pipeline:
     """An in-memory sequence of samples.
 
@@ -212,23 +252,16 @@ def from_items(
         >>> [r.payload["text"] for b in pipe for r in b]
         ['a b', 'c']
     """
-    return _from_format(cls, "items", items, locals(), on_error=on_error)
+    return _from_format(cls, "items", items, options, on_error=on_error)
 
-@pipeline_class_method
-@document_source_options
+@source_builder()
 def from_jsonl(
     cls: type[Pipeline],
     paths: str | Sequence[str],
     *,
     on_error: OnError = _JSONL.on_error,
     cache_dir: str | os.PathLike | None = _JSONL.cache_dir,
-    num_lanes: int = _SOURCE.num_lanes,
-    chunk_size: int = _SOURCE.chunk_size,
-    seed: int = _SOURCE.seed,
-    flush_every_k_chunks: int | None = _SOURCE.flush_every_k_chunks,
-    passes: int | None = _SOURCE.passes,
-    shuffle: bool = _SOURCE.shuffle,
-    exhausted: str = _SOURCE.exhausted,
+    **options: Unpack[SourceKwargs],
 ) -> Pipeline:
     """JSON Lines files, one sample per non-blank line.
 
@@ -255,24 +288,16 @@ def from_jsonl(
         FileNotFoundError: A path or glob that matches no file.
         ValueError: An unsupported extension or an option out of range.
     """
-    return _from_format(cls, "jsonl", paths, locals(), on_error=on_error,
-                            cache_dir=cache_dir)
+    return _from_format(cls, "jsonl", paths, options, on_error=on_error, cache_dir=cache_dir)
 
-@pipeline_class_method
-@document_source_options
+@source_builder()
 def from_parquet(
     cls: type[Pipeline],
     paths: str | Sequence[str],
     columns: Sequence[str] | None = _PARQUET.columns,
     *,
     on_error: OnError = _PARQUET.on_error,
-    num_lanes: int = _SOURCE.num_lanes,
-    chunk_size: int = _SOURCE.chunk_size,
-    seed: int = _SOURCE.seed,
-    flush_every_k_chunks: int | None = _SOURCE.flush_every_k_chunks,
-    passes: int | None = _SOURCE.passes,
-    shuffle: bool = _SOURCE.shuffle,
-    exhausted: str = _SOURCE.exhausted,
+    **options: Unpack[SourceKwargs],
 ) -> Pipeline:
     """Parquet files, one sample (a dict) per row, read by row group.
 
@@ -296,24 +321,16 @@ def from_parquet(
             ``on_error="raise"``) or an option out of range.
         ImportError: ``pyarrow`` is not installed.
     """
-    return _from_format(cls, "parquet", paths, locals(), columns=columns,
-                            on_error=on_error)
+    return _from_format(cls, "parquet", paths, options, columns=columns, on_error=on_error)
 
-@pipeline_class_method
-@document_source_options
+@source_builder()
 def from_text_files(
     cls: type[Pipeline],
     paths: str | Sequence[str],
     *,
     on_error: OnError = _TEXT_FILES.on_error,
     field: str = _TEXT_FILES.field,
-    num_lanes: int = _SOURCE.num_lanes,
-    chunk_size: int = _SOURCE.chunk_size,
-    seed: int = _SOURCE.seed,
-    flush_every_k_chunks: int | None = _SOURCE.flush_every_k_chunks,
-    passes: int | None = _SOURCE.passes,
-    shuffle: bool = _SOURCE.shuffle,
-    exhausted: str = _SOURCE.exhausted,
+    **options: Unpack[SourceKwargs],
 ) -> Pipeline:
     """Text files, each file one document.
 
@@ -336,7 +353,7 @@ def from_text_files(
         FileNotFoundError: A path or glob that matches no file.
         ValueError: An option out of range.
     """
-    return _from_format(cls, "text_files", paths, locals(), on_error=on_error, field=field)
+    return _from_format(cls, "text_files", paths, options, on_error=on_error, field=field)
 
 
 #: A dataset factory's parameters that a builder does not take: a builder reads one
@@ -362,8 +379,7 @@ def derived_builder(source_format: SourceFormat) -> classmethod[Any, Any, Any]:
     params = [p for p in inspect.signature(factory).parameters.values()
               if p.name not in DATASET_ONLY]
     what, own = params[0], params[1:]
-    shared = [p for p in inspect.signature(from_sources.__func__).parameters.values()
-              if p.name in SOURCE_OPTION_NAMES]
+    shared = _source_parameters({})
     cls_param = inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                   annotation="type[Pipeline]")
     signature = inspect.Signature([cls_param, *params, *shared], return_annotation="Pipeline")
@@ -373,7 +389,8 @@ def derived_builder(source_format: SourceFormat) -> classmethod[Any, Any, Any]:
         bound = signature.bind(cls, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-        return _from_format(cls, source_format.name, arguments[what.name], arguments,
+        return _from_format(cls, source_format.name, arguments[what.name],
+                            {n: arguments[n] for n in SOURCE_OPTION_NAMES},
                             **{p.name: arguments[p.name] for p in own})
 
     builder.__name__ = name

@@ -1,19 +1,21 @@
 """The source options: how every ``Pipeline.from_*`` reads and deals its samples.
 
 :class:`SourceOptions` is the one place the seven options are defined,
-defaulted, checked and documented. Each builder still spells them out as
-keyword parameters (so ``help()`` and an IDE show them), collects them here
-in one call, and takes its docstring entries for them from here::
+defaulted, checked and documented. Each builder takes them as
+``**options: Unpack[SourceKwargs]`` (:class:`SourceKwargs`, so that a type
+checker knows them), and ``zephon_torch.pipeline_sources.source_builder``
+spells them out in the builder's run-time signature with these defaults (so
+``help()`` and an IDE show them) and fills in its docstring entries for them
+from here::
 
-    @classmethod
-    @document_source_options
-    def from_jsonl(cls, paths, *, on_error="raise", num_lanes=8, ...):
+    @source_builder
+    def from_jsonl(cls, paths, *, on_error="raise", **options):
         '''...
         Args:
             paths: ...
             on_error: ...
         '''
-        return cls._from_format("jsonl", paths, locals(), on_error=on_error)
+        return _from_format(cls, "jsonl", paths, options, on_error=on_error)
 
 ``document_source_options`` fills in ``num_lanes`` ... ``exhausted`` under
 ``Args:`` in the order of the signature, using the text of the attributes
@@ -27,9 +29,9 @@ import inspect
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
-__all__ = ["SOURCE_OPTION_NAMES", "SourceOptions", "document_source_options"]
+__all__ = ["SOURCE_OPTION_NAMES", "SourceKwargs", "SourceOptions", "document_source_options"]
 
 _POSITIVE_HINTS = {
     "num_lanes": "it is the unit of parallelism, fixed for a run: use at least the largest "
@@ -125,6 +127,23 @@ class SourceOptions:
 
 #: The names of the source options, in their order (``SourceConfig`` adds its own fields).
 SOURCE_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SourceOptions))
+
+
+class SourceKwargs(TypedDict, total=False):
+    """The source options as keyword arguments, for static type checkers.
+
+    The builders take them as ``**options: Unpack[SourceKwargs]``; at run
+    time their signatures list them one by one, with :class:`SourceOptions`'
+    defaults (a test holds the two to the same names and types).
+    """
+
+    num_lanes: int
+    chunk_size: int
+    seed: int
+    flush_every_k_chunks: int | None
+    passes: int | None
+    shuffle: bool
+    exhausted: str
 
 _ENTRY = re.compile(r"^    (\w+):")
 

@@ -84,6 +84,8 @@ from typing import Any
 
 from zephon_torch.runners import shm
 from zephon_torch.runners.lanes import Finished
+from zephon_torch.runners.options import RunOptions
+from zephon_torch.runners.registry import runner_spec
 from zephon_torch.runners.wire import (
     Orphaned,
     WorkerTraceback,
@@ -145,18 +147,21 @@ def finish_batch(kwargs: Mapping[str, Any], batch: Any) -> Any:
     return _encode(batch.to_training(**kwargs))
 
 
+def _workers_finish(iter_kwargs: Mapping[str, Any]) -> bool:
+    """Whether the run's workers finish each batch themselves (lane workers)."""
+    return runner_spec(iter_kwargs.get("runner", RunOptions.runner)).takes_finish
+
+
 def open_iterator(spec: EngineSpec) -> Any:
     """The pipeline iterator of ``spec``, with its state loaded.
 
     Under ``runner="lanes"`` the lane workers run ``to_training`` themselves
     (:func:`finish_batch`) and are started here, on the calling thread.
     """
-    from zephon_torch.runners.iterator import PipelineIterator
-
     kwargs = dict(spec.iter_kwargs)
-    if kwargs.get("runner") == "lanes" and spec.to_training is not None:
+    if _workers_finish(kwargs) and spec.to_training is not None:
         kwargs["finish"] = functools.partial(finish_batch, dict(spec.to_training))
-    it = PipelineIterator(spec.pipeline, **kwargs)
+    it = spec.pipeline.run(RunOptions(**kwargs))
     try:
         if spec.state is not None:
             it.load_state_dict(spec.state)
@@ -207,7 +212,7 @@ class InProcessProducer:
         self._spec = spec
         self._events: Any = None
         self._iterator: Any = None
-        if spec.iter_kwargs.get("runner") == "lanes":
+        if _workers_finish(spec.iter_kwargs):
             self._iterator = open_iterator(spec)
         #: The pipeline iterator once made (for the loader's stats()).
         self.iterator: Any = self._iterator

@@ -148,6 +148,7 @@ from zephon_torch.epochs import EpochCounter, check_epoch
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.options import RunOptions, check_loader_workers
 from zephon_torch.runners.process import SigtermGuard
+from zephon_torch.runners.registry import RUNNER_SPECS
 from zephon_torch.topology import resolve_topology, warn_idle_workers
 from zephon_torch.torch import _loader_state as _state
 from zephon_torch.torch._loader_args import (
@@ -171,8 +172,10 @@ from zephon_torch.torch.dataset import pipeline_of
 
 __all__ = ["DataLoader", "Position"]
 
-#: Runners that run in an engine process of their own (unless in_process=True).
-_ENGINE_RUNNERS = ("threads", "process")
+#: Runners that run in an engine process of their own (unless in_process=True): those
+#: whose stages run in a pool of their own, off the iterating thread.
+_ENGINE_RUNNERS = tuple(name for name, spec in RUNNER_SPECS.items()
+                        if spec.pool is not None and not spec.pool.on_this_thread)
 
 
 # --------------------------------------------------------------------------- the loader

@@ -155,6 +155,8 @@ def test_the_switch_follows_the_cursor_not_the_read_ahead() -> None:
     inline, _ = _run(new, state)
     threads, _ = _run(new, state, runner="threads", num_workers=3)
     assert _keys(threads) == _keys(inline)
+    lanes, _ = _run(new, state, runner="lanes", num_workers=2)  # lane workers resume it too
+    assert _keys(lanes) == _keys(inline)
     _, state_threads = _run(old, steps=7, runner="threads", num_workers=3)
     assert _keys(_run(new, state_threads)[0]) == _keys(inline)
 
@@ -207,3 +209,17 @@ def test_an_edited_earlier_ops_is_refused(value: Any, why: str) -> None:
     with pytest.raises(ValueError, match="corrupted state: lane 0: 'earlier_ops'") as refused:
         _run(_pipe(20), _edited(saved, "0", value))
     assert why in str(refused.value)
+
+
+def test_ranks_resume_their_lanes_of_a_changed_state() -> None:
+    old, new = _pipe(12, lanes=4), _pipe(8, lanes=4)
+    head, state = _run(old, steps=9)
+    whole, _ = _run(new, state)
+    got: dict[int, list[tuple]] = {}
+    for rank in range(2):
+        part, _ = _run(new, state, rank=rank, world_size=2)
+        got.update(_keys(part))
+    assert got == _keys(whole)
+    expected = _expected(old, new, head)
+    done = _keys(head)
+    assert got == {lane: keys[len(done.get(lane, [])):] for lane, keys in expected.items()}

@@ -54,7 +54,6 @@ from typing import Any
 
 from zephon_torch.accounting import ProgressTracker
 from zephon_torch.fingerprint import (
-    DIGEST_MARK,
     data_changes,
     describe_difference,
     digest,
@@ -64,6 +63,13 @@ from zephon_torch.fingerprint import (
 from zephon_torch.lane_progress import LaneProgress
 from zephon_torch.ops.base import Operator, operator_class
 from zephon_torch.replay import ReplayFilter  # a public name here since it was defined here
+from zephon_torch.resume_changes import (
+    EARLIER_KEY,
+    changed_at_epoch_boundary,
+    lane_earlier,
+    resumed_state,
+    saved_config_matches,
+)
 from zephon_torch.sources.schedule import ScheduleState
 from zephon_torch.state_checks import check_fields
 
@@ -118,12 +124,14 @@ def refuse_nondeterministic(action: str) -> NotCheckpointableError:
 
 def lane_state(progress: LaneProgress,
                next_state: Callable[[int, bool], ScheduleState | None],
-               num_lanes: int) -> dict[str, Any]:
+               num_lanes: int, earlier: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One lane's entry of a state, from its progress (see the module doc).
 
     ``next_state(global_chunk, exhausted)`` gives the schedule state of a
     chunk not registered (yet, or again after a resume); None when the
-    schedule has no more.
+    schedule has no more. ``earlier``: the lane's ``earlier_ops`` in the
+    loaded state (see :mod:`~zephon_torch.resume_changes`), kept as far as
+    the window still needs them.
     """
     span = progress.window()
     window: list[int] = []
@@ -148,7 +156,7 @@ def lane_state(progress: LaneProgress,
     k = progress.flush_every
     if window and k:
         boundaries = sorted({(c // k) * k for c in window})
-    return {
+    entry = {
         "window": [[c, *chunks[c].start.to_json()] for c in window],
         "epoch_boundaries": boundaries,
         "replay_cursor": cursor,
@@ -156,6 +164,11 @@ def lane_state(progress: LaneProgress,
         "next": None if nxt is None else nxt.to_json(),
         "outputs": progress.outputs,
     }
+    first = window[0] if window else None if nxt is None else nxt.global_chunk // num_lanes
+    kept = lane_earlier(earlier, first)
+    if kept:
+        entry[EARLIER_KEY] = kept
+    return entry
 
 
 def _key_to_json(key: tuple) -> list[Any]:
@@ -263,7 +276,8 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
             "the state was saved by a different pipeline configuration: "
             f"{describe_difference(differ, mine, theirs, fingerprint)}. Resume with the same "
             "sources, operators, num_lanes, chunk_size, seed and flush_every_k_chunks; what "
-            "may change (the batch size, micro-batch sizes, runner and workers) is listed in "
+            "may change (the batch size, a shuffle's buffer_size, micro-batch sizes, runner and "
+            "workers) is listed in "
             "docs/checkpoints.md, \"What a resume may change\""
         )
     if "data" in theirs and state.get(ACCEPT_CHANGED_DATA) is not True:
@@ -272,7 +286,12 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
             raise ValueError(changed)
     # Every field, as untrusted input: keys, types, ranges (the schedule is checked at load).
     check_fields(state)
-    return dict(state)
+    # A shuffle's buffer_size changed: the state as this pipeline would have saved it.
+    changed = resumed_state(state, mine, fingerprint)
+    if changed is None:
+        return dict(state)
+    changed["checksum"] = state_checksum(changed)
+    return changed
 
 
 def differing_parts(mine: Mapping[str, Any], theirs: Mapping[str, Any],
@@ -292,7 +311,8 @@ def differing_parts(mine: Mapping[str, Any], theirs: Mapping[str, Any],
     if fingerprint is None:
         return differ
     return [k for k in differ if not _same_as_earlier_form(k, fingerprint, theirs)
-            and not changed_after_resume_point(k, fingerprint, theirs)]
+            and not changed_after_resume_point(k, fingerprint, theirs)
+            and not changed_at_epoch_boundary(k, fingerprint, theirs)]
 
 
 def changed_after_resume_point(key: str, fingerprint: Mapping[str, Any],
@@ -316,20 +336,7 @@ def changed_after_resume_point(key: str, fingerprint: Mapping[str, Any],
     kind = kinds[index]
     if kind is None or not kind.resume_may_change or cut is None or index < cut:
         return False
-    config = ops[index]
-    saved = {k[len(key) + 1:]: v for k, v in theirs.items() if k.startswith(f"{key}.")}
-    if saved.get("op") != config.get("op") or set(saved) != set(config):
-        return False
-    then = dict(config)
-    for param in kind.resume_may_change:
-        text = saved.get(param)
-        if param not in config or not isinstance(text, str) or text.startswith(DIGEST_MARK):
-            return False
-        try:
-            then[param] = json.loads(text)
-        except ValueError:
-            return False
-    return digest(then) == theirs.get(key)
+    return saved_config_matches(key, ops[index], theirs, kind.resume_may_change) is not None
 
 
 def _op_index(key: str) -> int | None:

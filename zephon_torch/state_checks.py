@@ -61,7 +61,7 @@ OPTIONAL_STATE_KEYS = ("deterministic", "epoch", "round_robin", "accept_changed_
 #: Keys of every lane entry ...
 LANE_KEYS = ("window", "next", "replay_cursor", "replay_count", "outputs")
 #: ... and those it may have (older states lack ``epoch_boundaries``).
-OPTIONAL_LANE_KEYS = ("epoch_boundaries",)
+OPTIONAL_LANE_KEYS = ("epoch_boundaries", "earlier_ops")  # earlier_ops: resume_changes.py
 
 _NOTHING = "; nothing was loaded (resume from another checkpoint)"
 

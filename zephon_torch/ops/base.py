@@ -107,6 +107,13 @@ class OpContext:
         component_weights: Target share of each mixture component, from the
             sources (``None`` for a single dataset).
         plan: Free-form plan metadata (for example ``"has_tokens"``).
+        earlier_params: On a resume under a changed parameter that takes effect at
+            an epoch boundary (:attr:`Operator.resume_may_change_at_epoch`), per
+            lane, ``(until_chunk, params)`` pairs by ascending ``until_chunk``: the
+            lane's chunks before ``until_chunk`` (and from the previous pair's on)
+            run with ``params`` in place of the operator's own, as the saved run
+            ran them; later chunks with the operator as it is. Empty otherwise
+            (see ``zephon_torch.resume_changes``).
     """
 
     num_lanes: int = 1
@@ -119,6 +126,8 @@ class OpContext:
     microbatch_size: int | None = None
     component_weights: Mapping[int, float] | None = None
     plan: Mapping[str, Any] = field(default_factory=dict)
+    earlier_params: Mapping[int, Sequence[tuple[int, Mapping[str, Any]]]] = field(
+        default_factory=dict)
 
 
 class Operator:
@@ -227,6 +236,25 @@ class Operator:
     #: values resumes as a run that changed them at that step. ``batch`` names its
     #: size and ``drop_last``.
     resume_may_change: ClassVar[frozenset[str]] = frozenset()
+    #: Parameters of this operator, standing before the resume point, that a resume
+    #: may change from each lane's next epoch boundary on (``shuffle`` names its
+    #: ``buffer_size``): the lane's replayed epochs run with the saved values, which
+    #: the accumulator receives in ``ctx.earlier_params`` and must honour (through
+    #: :meth:`with_params`); see ``zephon_torch.resume_changes``.
+    resume_may_change_at_epoch: ClassVar[frozenset[str]] = frozenset()
+
+    def with_params(self, params: Mapping[str, Any]) -> Operator:
+        """A copy of this operator with the parameters ``params`` (by their
+        :meth:`config` names) in place of its own, for the epochs a resume replays.
+
+        Only parameters named in :attr:`resume_may_change_at_epoch` are asked for.
+
+        Raises:
+            ValueError: A parameter this operator cannot take this way, or a value
+                it refuses.
+        """
+        raise ValueError(f"{type(self).__name__} cannot run with the parameters {dict(params)} "
+                         "of a saved state: none of its parameters may change on resume")
 
     @classmethod
     def earlier_config(cls, config: Mapping[str, Any], saved: Mapping[str, str], *,

@@ -67,6 +67,7 @@ from zephon_torch.block import Block
 from zephon_torch.epochs import epoch_seed
 from zephon_torch.ops.accumulators import Accumulator, CountingAccumulator, lane_of
 from zephon_torch.ops.base import Element, OpContext, Operator, OpTraits
+from zephon_torch.ops.epoch_switch import switching_accumulator
 from zephon_torch.ops.shuffle_buffer import (
     BUFFER_SPLIT,
     lane_buffer_size,
@@ -410,6 +411,9 @@ class Shuffle(Operator):
     """
 
     name = "shuffle"
+    #: A resume may change the buffer size: each lane's replayed epochs are shuffled
+    #: with the saved size, and the new one applies from the lane's next epoch on.
+    resume_may_change_at_epoch = frozenset({"buffer_size"})
 
     def __init__(self, buffer_size: int = 8192, *, seed: int = 0,
                  algorithm: str = "streaming") -> None:
@@ -447,16 +451,38 @@ class Shuffle(Operator):
 
         ``ctx.microbatch_size`` is ignored: the buffer size defines the output.
         No accumulator here has a latency bound, whatever ``deterministic``.
+        On a resume under another ``buffer_size`` (``ctx.earlier_params``), each
+        lane's epochs before its switch are shuffled with the saved size (see
+        :mod:`zephon_torch.ops.epoch_switch`).
 
         Raises:
             ValueError: ``buffer_size <= ctx.num_lanes`` (see :func:`lane_buffer_size`).
         """
+        if ctx.earlier_params:  # resumed under another buffer_size (resume_may_change_at_epoch)
+            return switching_accumulator(self, deterministic=deterministic, ctx=ctx)
         size = self.lane_buffer_size(ctx.num_lanes)
         if self.algorithm == "streaming":
             return ReservoirShuffleAccumulator(size, seed=self._run_seed)
         if self.algorithm == "block":
             return CountingAccumulator(size)
         return WarmupBlockAccumulator(size)
+
+    def with_params(self, params: Mapping[str, Any]) -> Shuffle:
+        """This shuffle (of this epoch) with another ``buffer_size``: the saved one, for
+        the epochs a resume replays.
+
+        Raises:
+            ValueError: Another parameter than ``buffer_size``, or a size that is
+                not a positive integer.
+        """
+        other = set(params) - {"buffer_size"}
+        if other:
+            raise ValueError(f"shuffle may run with another buffer_size on resume, not with "
+                             f"other {sorted(other)}")
+        _check_buffer_size(params["buffer_size"])
+        copy = _copy.copy(self)
+        copy.buffer_size = params["buffer_size"]
+        return copy
 
     def lane_buffer_size(self, num_lanes: int) -> int:
         """Rows each lane holds over a source of ``num_lanes`` lanes (:func:`lane_buffer_size`)."""

@@ -29,6 +29,7 @@ from zephon_torch.ops.base import OpContext, Operator
 from zephon_torch.ops.fused import parts_of
 from zephon_torch.ops.placement import placement_options
 from zephon_torch.replay import ReplayFilter
+from zephon_torch.resume_changes import resume_contexts
 from zephon_torch.runners.base import InlinePool, Pool, ThreadPool
 from zephon_torch.runners.engine import Engine, Stage
 from zephon_torch.runners.spec import PoolSpec
@@ -220,6 +221,8 @@ def make_run(source: Any, schedule: WorkSchedule, compiled: Sequence[Any],
     replay_filter = next(c.op for c in compiled if isinstance(c.op, ReplayFilter))
     replay_filter.targets = replay_targets  # read by the accumulator make_stages creates
     replay_filter.on_drop = on_drop
+    if plan is not None:  # operators resumed under changed parameters (resume_changes.py)
+        ctxs = resume_contexts(compiled, ctxs, plan.earlier)
     stages = make_stages(compiled, ctxs, remote=remote, pool=pool, ray_pool=ray_pool,
                          pool_spec=pool_spec, deterministic=deterministic)
     emitter = SourceEmitter(

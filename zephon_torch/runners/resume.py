@@ -37,6 +37,7 @@ from zephon_torch.checkpoint import (
     state_checksum,
 )
 from zephon_torch.epochs import epoch_pipeline
+from zephon_torch.resume_changes import EARLIER_KEY, plan_earlier
 from zephon_torch.runners.assembly import make_schedule
 from zephon_torch.sources.schedule import Chunk, ScheduleState, WorkSchedule
 from zephon_torch.state_checks import check_against_schedule
@@ -82,7 +83,8 @@ def lane_entries(accounting: Accounting, lanes: Sequence[int], loaded: Mapping[s
 
     return {
         str(lane): (dict(saved[str(lane)]) if lane in replaying else
-                    lane_state(accounting.lanes[lane], next_state, num_lanes))
+                    lane_state(accounting.lanes[lane], next_state, num_lanes,
+                               earlier=saved.get(str(lane), {}).get(EARLIER_KEY)))
         for lane in lanes
     }
 
@@ -164,6 +166,8 @@ class ResumePlan(NamedTuple):
     lane_next: dict[int, int]  # per lane, the global chunk of its next new chunk
     replay: list[ScheduleState]  # the chunks of the windows, emitted again first
     round_robin: int  # the index of the lane to deliver from first
+    # per operator index, per lane: the parameters of its replayed epochs (resume_changes.py)
+    earlier: dict[int, dict[int, list[tuple[int, dict[str, Any]]]]]
 
 
 def plan_resume(state: Mapping[str, Any], *, lanes: Sequence[int], num_lanes: int,
@@ -205,7 +209,7 @@ def plan_resume(state: Mapping[str, Any], *, lanes: Sequence[int], num_lanes: in
         outputs = [accounting.lanes[lane].outputs for lane in lanes]
         index = outputs.index(min(outputs))
     start = min(starts, key=lambda s: s.global_chunk) if starts else None
-    return ResumePlan(start, lane_next, replay, index)
+    return ResumePlan(start, lane_next, replay, index, plan_earlier(state, lanes))
 
 
 def narrow_state(state: Mapping[str, Any], lanes: Sequence[int]) -> dict[str, Any]:

@@ -155,3 +155,17 @@ def test_the_loader_resumes_a_changed_batch_size(workers: int) -> None:
     assert sorted(k for b in rest for k in _keys(b)) == sorted(
         k for b in reference for k in _keys(b))
     assert {len(b.records) for b in rest} == {7}
+
+
+def test_a_state_saved_right_after_the_load_is_the_new_pipelines() -> None:
+    # Saved before any next(): it names the new batch size, so it merges with the
+    # states of ranks that moved on, and resumes as any state of the new pipeline.
+    _, state = _head(_pipe(4), 5)
+    it = _pipe(7).iter()
+    it.load_state_dict(state)
+    at_load = it.state_dict()
+    it.close()
+    assert at_load["fingerprint"] == _pipe(7).iter().state_dict()["fingerprint"]
+    assert at_load["fingerprint"] != state["fingerprint"]
+    assert [_keys(b) for b in _resume(_pipe(7), at_load)] == [
+        _keys(b) for b in _resume(_pipe(7), state)]

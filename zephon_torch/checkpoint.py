@@ -65,10 +65,10 @@ from zephon_torch.ops.base import Operator, operator_class
 from zephon_torch.replay import ReplayFilter  # a public name here since it was defined here
 from zephon_torch.resume_changes import (
     EARLIER_KEY,
+    changed_after_resume_point,
     changed_at_epoch_boundary,
     lane_earlier,
     resumed_state,
-    saved_config_matches,
 )
 from zephon_torch.sources.schedule import ScheduleState
 from zephon_torch.state_checks import check_fields
@@ -313,38 +313,6 @@ def differing_parts(mine: Mapping[str, Any], theirs: Mapping[str, Any],
     return [k for k in differ if not _same_as_earlier_form(k, fingerprint, theirs)
             and not changed_after_resume_point(k, fingerprint, theirs)
             and not changed_at_epoch_boundary(k, fingerprint, theirs)]
-
-
-def changed_after_resume_point(key: str, fingerprint: Mapping[str, Any],
-                               theirs: Mapping[str, Any]) -> bool:
-    """Whether differing part ``key`` is an operator after the resume point whose
-    state's config differs from this pipeline's only in parameters a resume may change
-    (:attr:`~zephon_torch.ops.base.Operator.resume_may_change`: the batch size).
-
-    The operator must stand at or after the first stage that produces batches (the
-    replay filter precedes it, so it never sees a replayed record), be of the same
-    class, and its config with the state's values of those parameters must have the
-    state's digest exactly.
-    """
-    index = _op_index(key)
-    ops = fingerprint.get("ops") or []
-    if index is None or index >= len(ops) or not isinstance(ops[index], Mapping):
-        return False
-    kinds = [operator_class(c.get("op")) if isinstance(c, Mapping) else None for c in ops]
-    cut = next((i for i, k in enumerate(kinds)
-                if k is not None and getattr(k, "name", None) == "batch"), None)
-    kind = kinds[index]
-    if kind is None or not kind.resume_may_change or cut is None or index < cut:
-        return False
-    return saved_config_matches(key, ops[index], theirs, kind.resume_may_change) is not None
-
-
-def _op_index(key: str) -> int | None:
-    """``i`` of an operator part ``"ops[i]"``; None for any other part."""
-    index = key[len("ops["):-1]
-    if key.startswith("ops[") and key.endswith("]") and index.isdigit():
-        return int(index)
-    return None
 
 
 def _same_as_earlier_form(key: str, fingerprint: Mapping[str, Any],

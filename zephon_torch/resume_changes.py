@@ -104,6 +104,30 @@ def changed_at_epoch_boundary(key: str, fingerprint: Mapping[str, Any],
                                 kind.resume_may_change_at_epoch) is not None
 
 
+def changed_after_resume_point(key: str, fingerprint: Mapping[str, Any],
+                               theirs: Mapping[str, Any]) -> bool:
+    """Whether differing part ``key`` is an operator after the resume point whose
+    state's config differs from this pipeline's only in parameters a resume may change
+    (:attr:`~zephon_torch.ops.base.Operator.resume_may_change`: the batch size).
+
+    The operator must stand at or after the first stage that produces batches (the
+    replay filter precedes it, so it never sees a replayed record), be of the same
+    class, and its config with the state's values of those parameters must have the
+    state's digest exactly.
+    """
+    index = _op_index(key)
+    ops = fingerprint.get("ops") or []
+    if index is None or index >= len(ops) or not isinstance(ops[index], Mapping):
+        return False
+    kinds = [operator_class(c.get("op")) if isinstance(c, Mapping) else None for c in ops]
+    cut = next((i for i, k in enumerate(kinds)
+                if k is not None and getattr(k, "name", None) == "batch"), None)
+    kind = kinds[index]
+    if kind is None or not kind.resume_may_change or cut is None or index < cut:
+        return False
+    return saved_config_matches(key, ops[index], theirs, kind.resume_may_change) is not None
+
+
 def _refuse(lane: str, value: Any, why: str) -> ValueError:
     shown = json.dumps(value)[:120] if value is not None else "null"
     return ValueError(f"corrupted state: lane {lane}: {EARLIER_KEY!r} is {shown}: {why}; "
@@ -150,8 +174,10 @@ def _check_earlier(state: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> 
 def resumed_state(state: Mapping[str, Any], mine: Mapping[str, Any],
                   fingerprint: Mapping[str, Any]) -> dict[str, Any] | None:
     """``state`` (fields checked) as this pipeline would have saved it, when some
-    operator of it changed parameters it may change at an epoch boundary; None when
-    none did (the state is this pipeline's as it is).
+    operator of it changed parameters it may change at an epoch boundary (the
+    lanes then carry the earlier values) or after the resume point (the batch
+    size: only the fingerprint changes); None when none did (the state is this
+    pipeline's as it is).
 
     The content changes, so the caller writes a fresh checksum.
 
@@ -162,9 +188,13 @@ def resumed_state(state: Mapping[str, Any], mine: Mapping[str, Any],
     theirs = state["fingerprint"]
     ops = fingerprint.get("ops") or []
     changed: dict[str, dict[str, Any]] = {}
+    after: dict[str, None] = {}
     for key in sorted(k for k in theirs if _op_index(k) is not None):
         index = _op_index(key)
         if theirs[key] == mine.get(key) or index is None or index >= len(ops):
+            continue
+        if changed_after_resume_point(key, fingerprint, theirs):
+            after[key] = None  # acts after the cursor: nothing to carry
             continue
         kind = operator_class(ops[index].get("op"))
         if kind is None or not changed_at_epoch_boundary(key, fingerprint, theirs):
@@ -172,12 +202,13 @@ def resumed_state(state: Mapping[str, Any], mine: Mapping[str, Any],
         values = saved_config_matches(key, ops[index], theirs, kind.resume_may_change_at_epoch)
         if values is not None:
             changed[key] = values
-    if not changed:
+    if not changed and not after:
         return None
+    renamed = [*changed, *after]
     parts = {k: v for k, v in theirs.items()
-             if not any(k == key or k.startswith((f"{key}.", f"{key}#")) for key in changed)}
+             if not any(k == key or k.startswith((f"{key}.", f"{key}#")) for key in renamed)}
     parts.update({k: v for k, v in mine.items()
-                  if any(k == key or k.startswith((f"{key}.", f"{key}#")) for key in changed)})
+                  if any(k == key or k.startswith((f"{key}.", f"{key}#")) for key in renamed)})
     every = int(fingerprint["flush_every_k_chunks"])
     lanes = {}
     for lane, entry in state["lanes"].items():
@@ -191,7 +222,8 @@ def resumed_state(state: Mapping[str, Any], mine: Mapping[str, Any],
                 pairs = earlier.setdefault(key, [])
                 if not pairs or pairs[-1][0] < until:  # else the range is empty
                     pairs.append([until, dict(values)])
-            entry[EARLIER_KEY] = earlier
+            if earlier:
+                entry[EARLIER_KEY] = earlier
         lanes[lane] = entry
     out = {k: v for k, v in state.items() if k != "checksum"}
     out["fingerprint"] = parts

@@ -46,7 +46,7 @@ from zephon_torch.sources.options import (
 if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
 
-__all__ = ["SourceConfig", "attach_builder", "derived_builder"]
+__all__ = ["SourceConfig", "attach_builder", "derived_builder", "resolve_weights"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,6 +130,19 @@ def from_sources(
             mixture of more than 2**53 samples.
     """
     datasets = tuple(sources)
+    resolved = resolve_weights(datasets, weights)
+    return _from_datasets(cls, datasets, resolved, SourceOptions.collect(locals()))
+
+def resolve_weights(datasets: Sequence[Dataset],
+                    weights: Mapping[int, float] | Sequence[float] | None
+                    ) -> tuple[float, ...] | None:
+    """One weight per dataset from ``from_sources``' ``weights``: a mapping component ->
+    weight (shared by a component's datasets in proportion to their sizes), a
+    sequence (one per dataset), or None.
+
+    Raises:
+        ValueError: A mapping that names a component no dataset has.
+    """
     if isinstance(weights, Mapping):
         components = {d.component_id for d in datasets}
         unknown = sorted(set(weights) - components)
@@ -155,7 +168,8 @@ def from_sources(
         resolved = tuple(float(w) for w in weights)
     else:
         resolved = None
-    return _from_datasets(cls, datasets, resolved, SourceOptions.collect(locals()))
+    return resolved
+
 
 def _from_datasets(cls: type[Pipeline], datasets: tuple[Dataset, ...],
                    weights: tuple[float, ...] | None, options: SourceOptions) -> Pipeline:

@@ -144,7 +144,8 @@ def test_restores_at_every_step_on_the_changed_pipeline() -> None:
     head, state = _head(base, 5)
     changed = base.change_weights([0.2, 0.8], state=state)
     reference = assert_restores_everywhere(changed, resume_settings=(
-        {"runner": "inline"}, {"runner": "threads", "num_workers": 2}))
+        {"runner": "inline"}, {"runner": "threads", "num_workers": 2},
+        {"runner": "lanes", "num_workers": 2}))
     # The run of the changed pipeline, cut at the state's step, is the saved run's head.
     assert _keys(reference[:5]) == _keys(head)
     # Every state of the saved run up to this one resumes on the changed pipeline too.
@@ -246,6 +247,12 @@ def test_refusals_name_the_change_and_what_to_do() -> None:
     with pytest.raises(ValueError, match=r"change at global chunk \d+, but the state goes on "
                                          r"to chunk \d+.*change_weights"):
         it.load_state_dict(later)
+    wrong = changed.source.weights.changes[0]
+    forged = base.with_source(weights=MixtureWeights((0.7, 0.3), [WeightChange(
+        wrong.at_chunk, wrong.weights, (wrong.counts[0] - 1, wrong.counts[1] + 1))]))
+    it = forged.iter(runner="inline")
+    with pytest.raises(ValueError, match=r"from counts .* but the schedule before it reaches"):
+        it.load_state_dict(state)
     _, ended = _head(base, len(list(base.iter(runner="inline"))))
     with pytest.raises(ValueError, match=r"ended for lane\(s\).*weights the state was saved"):
         base.change_weights([0.2, 0.8], state=ended)
@@ -260,3 +267,42 @@ def test_refusals_name_the_change_and_what_to_do() -> None:
     # A dataset added is another configuration: still refused.
     with pytest.raises(ValueError, match=r"datasets"):
         _base([0.7, 0.3, 0.1], count=3).change_weights([0.2, 0.4, 0.4], state=state)
+
+
+def test_later_epochs_run_the_new_weights_from_their_start() -> None:
+    base = _base([0.7, 0.3], "repeat")
+    _, state = _head(base, 5)
+    changed = base.change_weights([0.2, 0.8], state=state)
+    plain = _base([0.2, 0.8], "repeat")
+    assert _keys(list(changed.iter(runner="inline", epoch=1))) == \
+        _keys(list(plain.iter(runner="inline", epoch=1)))
+    # A state of the changed run's next epoch resumes on it.
+    head, later = _head(changed, 6, epoch=1)
+    assert _keys(head + _resume(changed, later)) == \
+        _keys(list(changed.iter(runner="inline", epoch=1)))
+
+
+def test_a_torch_loader_resumes_under_the_new_weights() -> None:
+    pytest.importorskip("torch")
+    base = _base([0.7, 0.3])
+    loader = zt.DataLoader(base, to_training=False)
+    it = iter(loader)
+    head = [next(it) for _ in range(4)]
+    state = loader.state_dict()
+    changed = base.change_weights([0.2, 0.8], state=state)
+    resumed = zt.DataLoader(changed, to_training=False)
+    resumed.load_state_dict(state)
+    expected = list(_reference(base, _point(state), [0.2, 0.8]).iter(runner="inline"))
+    assert _keys(head + list(resumed)) == _keys(expected)
+
+
+def test_shares_proportional_to_the_sizes_change_too() -> None:
+    base = Pipeline.from_sources(_datasets(), num_lanes=LANES, chunk_size=CHUNK, seed=4,
+                                 exhausted="stop").batch(2)
+    head, state = _head(base, 6)
+    changed = base.change_weights([1.0, 3.0], state=state)
+    assert changed.fingerprint()["weights"] is None  # as the state's
+    sizes = MixtureWeights([float(n) for n in SIZES[:2]], proportional=True)
+    at = _point(state)
+    reference = _reference(base.with_source(weights=sizes), at, [1.0, 3.0])
+    assert _keys(head + _resume(changed, state)) == _keys(list(reference.iter(runner="inline")))

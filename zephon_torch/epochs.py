@@ -107,11 +107,13 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def epoch_pipeline(pipeline: Pipeline, epoch: int) -> Pipeline:
-    """The pipeline that runs in ``epoch``: the seeds derived for it (see the module doc).
+    """The pipeline that runs in ``epoch``: the seeds derived for it (see the module doc),
+    and mixture weights changed in an earlier epoch in force from its start
+    (``sources/weight_plan.py``).
 
     Only for running: its fingerprint differs from ``pipeline``'s (the seed
     does), and states carry the original's fingerprint and the epoch. Epoch 0
-    returns ``pipeline`` itself.
+    returns ``pipeline`` itself (unless its weights changed in a later epoch).
     """
     epoch = check_epoch(epoch)
     # Mixture weights changed on a resume: those of earlier epochs from the start.

@@ -71,6 +71,7 @@ from zephon_torch.resume_changes import (
     resumed_state,
 )
 from zephon_torch.sources.schedule import ScheduleState
+from zephon_torch.sources.weight_plan import changes_from_json
 from zephon_torch.state_checks import check_fields
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "merge_states",
     "refuse_nondeterministic",
     "state_checksum",
+    "weights_changed_since",
 ]
 
 #: Format version of :meth:`PipelineIterator.state_dict` states.
@@ -269,7 +271,8 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
                          "loaded")
     differ = differing_parts(mine, theirs, fingerprint)
     if differ:
-        meaning = _earlier_state_refusal(differ, mine, theirs, fingerprint, state["num_lanes"])
+        meaning = (_earlier_state_refusal(differ, mine, theirs, fingerprint, state["num_lanes"])
+                   or _weights_refusal(differ))
         if meaning:
             raise ValueError(meaning)
         raise ValueError(
@@ -312,7 +315,39 @@ def differing_parts(mine: Mapping[str, Any], theirs: Mapping[str, Any],
         return differ
     return [k for k in differ if not _same_as_earlier_form(k, fingerprint, theirs)
             and not changed_after_resume_point(k, fingerprint, theirs)
-            and not changed_at_epoch_boundary(k, fingerprint, theirs)]
+            and not changed_at_epoch_boundary(k, fingerprint, theirs)
+            and not (k == "weight_changes" and weights_changed_since(mine, theirs))]
+
+
+def weights_changed_since(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> bool:
+    """Whether this pipeline's mixture weight changes (parts ``mine``) extend those of
+    the state (``theirs``): the state's changes first, then one or more of its own.
+
+    Whether the new ones start where the state leaves nothing fixed is checked
+    against the schedule (``state_checks.py``).
+    """
+    try:
+        ours = changes_from_json(mine.get("weight_changes"))
+        saved = changes_from_json(theirs.get("weight_changes"))
+    except ValueError:
+        return False
+    return len(ours) > len(saved) and ours[:len(saved)] == saved
+
+
+def _weights_refusal(differ: Sequence[str]) -> str | None:
+    """The refusal of a state whose mixture weights differ from this pipeline's, or None."""
+    if "weights" not in differ and "weight_changes" not in differ:
+        return None
+    others = [k for k in differ if k not in ("weights", "weight_changes")]
+    also = f" (and {', '.join(others)} differ(s): keep those as they were)" if others else ""
+    return (
+        "the state was saved by a pipeline with other mixture weights" + also + ". To run "
+        "new weights from this step on, build the pipeline the state was saved by (its "
+        "weights) and resume with pipe.change_weights(new_weights, state=state) in place of "
+        "pipe (see docs/checkpoints.md, \"What a resume may change\"); a pipeline made with "
+        "change_weights from one state resumes that state or an earlier one of the same run, "
+        "and the states it saves, but no later state of the run before the change"
+    )
 
 
 def _same_as_earlier_form(key: str, fingerprint: Mapping[str, Any],

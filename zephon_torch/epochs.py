@@ -52,6 +52,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from zephon_torch.sources.permute import seed_key
+from zephon_torch.sources.weight_plan import epoch_weights
 
 if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
@@ -106,16 +107,23 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def epoch_pipeline(pipeline: Pipeline, epoch: int) -> Pipeline:
-    """The pipeline that runs in ``epoch``: the seeds derived for it (see the module doc).
+    """The pipeline that runs in ``epoch``: the seeds derived for it (see the module doc),
+    and mixture weights changed in an earlier epoch in force from its start
+    (``sources/weight_plan.py``).
 
     Only for running: its fingerprint differs from ``pipeline``'s (the seed
     does), and states carry the original's fingerprint and the epoch. Epoch 0
-    returns ``pipeline`` itself.
+    returns ``pipeline`` itself (unless its weights changed in a later epoch).
     """
     epoch = check_epoch(epoch)
-    if epoch == 0:
+    # Mixture weights changed on a resume: those of earlier epochs from the start.
+    weights = epoch_weights(pipeline.source.weights, epoch)
+    if epoch == 0 and weights is pipeline.source.weights:
         return pipeline
-    source = pipeline.with_source(seed=epoch_seed(pipeline.source.seed, epoch)).source
+    changed: dict[str, Any] = {"seed": epoch_seed(pipeline.source.seed, epoch)} if epoch else {}
+    if weights is not pipeline.source.weights:
+        changed["weights"] = weights
+    source = pipeline.with_source(**changed).source
     # The pipeline's own class: this module sits below the builder and never imports it.
     return type(pipeline)(source, tuple(op.for_epoch(epoch) for op in pipeline.ops))
 

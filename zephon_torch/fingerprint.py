@@ -4,7 +4,8 @@ A pipeline's **fingerprint** (:func:`pipeline_fingerprint`) is the
 configuration that defines its output, as JSON-able builtins: the datasets
 (their options, shards, sample counts and content tables), the source
 settings (weights, lanes, chunk size, seed, flush period, passes, read
-order) and each operator's ``config()``. Runner, worker counts and
+order; ``weight_changes`` only when a resume changed the mixture weights,
+``sources/weight_plan.py``) and each operator's ``config()``. Runner, worker counts and
 micro-batch sizes are not in it: they never change the output.
 
 A state keeps it as **parts** (:func:`fingerprint_parts`): a short digest per
@@ -26,6 +27,7 @@ from typing import Any
 
 from zephon_torch.sources.base import parse_content_table
 from zephon_torch.sources.schedule import block_layout
+from zephon_torch.sources.weight_plan import MixtureWeights, changes_to_json
 
 __all__ = [
     "DIGEST_MARK",
@@ -55,7 +57,9 @@ def pipeline_fingerprint(source: Any, ops: Sequence[Any], flush_every: int) -> d
     src = source
     fingerprint = {
         "datasets": [d.describe() for d in src.datasets],
-        "weights": None if src.weights is None else list(src.weights),
+        "weights": (None if src.weights is None else
+                    src.weights.original_json() if isinstance(src.weights, MixtureWeights)
+                    else list(src.weights)),
         "num_lanes": src.num_lanes,
         "chunk_size": src.chunk_size,
         "seed": src.seed,
@@ -65,6 +69,9 @@ def pipeline_fingerprint(source: Any, ops: Sequence[Any], flush_every: int) -> d
         "exhausted": src.exhausted,
         "ops": [op.config() for op in ops],
     }
+    changes = changes_to_json(src.weights)
+    if changes:  # weights changed on a resume (weight_plan.py): only then a part
+        fingerprint["weight_changes"] = changes
     if src.shuffle:  # a shuffled pass follows the shards' read blocks
         layout = block_layout(src.datasets)
         if layout:  # only shards of several blocks: the others keep their order
@@ -106,6 +113,8 @@ def fingerprint_parts(fingerprint: Mapping[str, Any],
             parts["ops.count"] = str(len(value))
         elif key == "datasets":
             parts.update(_dataset_parts(value))
+        elif key == "weight_changes":  # the values, so that a state can be extended
+            parts[key] = json.dumps(value)
         else:
             parts[key] = digest(value)
     return parts

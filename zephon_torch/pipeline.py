@@ -45,6 +45,7 @@ from zephon_torch.ops.base import Operator
 from zephon_torch.ops.placement import with_placement
 from zephon_torch.pipeline_sources import SourceConfig
 from zephon_torch.planner import CompiledStage, compile_plan, flush_every, stage_names
+from zephon_torch.reweight import change_weights
 from zephon_torch.runners.options import RunOptions
 from zephon_torch.sources.formats.registry import on_register
 from zephon_torch.topology import worker_lanes
@@ -155,6 +156,30 @@ class Pipeline:
     def with_source(self, **changes: Any) -> Pipeline:
         """A copy with source settings changed (``num_lanes``, ``seed`` ...)."""
         return Pipeline(replace(self._source, **changes), self._ops)
+
+    def change_weights(self, weights: Mapping[int, float] | Sequence[float], *,
+                       state: Mapping[str, Any]) -> Pipeline:
+        """This mixture with new ``weights`` from ``state``'s step on, to resume it.
+
+        The chunks the state has registered or replays keep the weights they
+        were made with; from the first global chunk after them (the same for
+        every world size) the round-robin follows the new shares. Resuming
+        ``state`` on the result is a run that changed its weights at that
+        step; its states carry the change (call this again on the original
+        pipeline with a later state: it adds nothing when ``weights`` are
+        already in force). See ``zephon_torch/reweight.py`` and
+        docs/checkpoints.md, "What a resume may change".
+
+        Example:
+            >>> annealed = pipe.change_weights([0.2, 0.8], state=state)  # doctest: +SKIP
+            >>> it = annealed.iter(); it.load_state_dict(state)  # doctest: +SKIP
+
+        Raises:
+            ValueError: ``state`` is not this pipeline's or not a whole state
+                (merge the ranks' states), its stream has ended, or the
+                weights are invalid.
+        """
+        return change_weights(self, weights, state=state)
 
     def flush_every(self) -> int:
         """The effective flush-sentinel period (0: no sentinels)."""

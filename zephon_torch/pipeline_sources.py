@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
     from zephon_torch.pipeline import Pipeline
 
-__all__ = ["SourceConfig", "attach_builder", "derived_builder"]
+__all__ = ["SourceConfig", "attach_builder", "derived_builder", "resolve_weights"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,6 +189,20 @@ def from_sources(
             mixture of more than 2**53 samples.
     """
     datasets = tuple(sources)
+    resolved = resolve_weights(datasets, weights)
+    return _from_datasets(cls, datasets, resolved, _source_options("from_sources", options))
+
+
+def resolve_weights(datasets: Sequence[Dataset],
+                    weights: Mapping[int, float] | Sequence[float] | None
+                    ) -> tuple[float, ...] | None:
+    """One weight per dataset from ``from_sources``' ``weights``: a mapping component ->
+    weight (shared by a component's datasets in proportion to their sizes), a
+    sequence (one per dataset), or None.
+
+    Raises:
+        ValueError: A mapping that names a component no dataset has.
+    """
     if isinstance(weights, Mapping):
         components = {d.component_id for d in datasets}
         unknown = sorted(set(weights) - components)
@@ -214,7 +228,8 @@ def from_sources(
         resolved = tuple(float(w) for w in weights)
     else:
         resolved = None
-    return _from_datasets(cls, datasets, resolved, _source_options("from_sources", options))
+    return resolved
+
 
 @source_builder(shuffle=False)
 def from_items(

@@ -40,6 +40,7 @@ from typing import Any
 
 from zephon_torch.epochs import state_epoch
 from zephon_torch.sources.schedule import ScheduleState, WorkSchedule
+from zephon_torch.sources.weight_plan import change_point, changes_from_json
 
 __all__ = [
     "LANE_KEYS",
@@ -224,12 +225,55 @@ def check_against_schedule(state: Mapping[str, Any], schedule: WorkSchedule, *,
     Raises:
         ValueError: Naming the lane, the field, its value and what is allowed.
     """
+    check_weight_changes(state, schedule)
     try:
         for key, entry in state["lanes"].items():
             lane = int(key)
             _LaneCheck(schedule, flush_every, lane, entry).run(sample=lane in lanes)
     except _Refused as exc:
         raise ValueError(str(exc)) from None
+
+
+def check_weight_changes(state: Mapping[str, Any], schedule: WorkSchedule) -> None:
+    """Refuse mixture weights that change where ``state`` has fixed chunks.
+
+    The changes of ``schedule`` that the state's ``weight_changes`` part does
+    not hold are new: each must start at or after the state's change point
+    (``weight_plan.change_point``: every schedule state the state holds comes
+    before it), with the counts the schedule has there.
+
+    Raises:
+        ValueError: Naming the change, the point and what to do.
+    """
+    saved = changes_from_json(state["fingerprint"].get("weight_changes"))
+    new = [(c.at_chunk, c.counts) for c in schedule.weight_changes if c not in saved]
+    if not new:
+        return
+    num_lanes = schedule.num_lanes
+    point = change_point(state, num_lanes, action="resuming under new mixture weights")
+    lanes = state["lanes"]
+    for at, counts in new:
+        if at < point:
+            raise ValueError(
+                f"the pipeline's mixture weights change at global chunk {at}, but the state "
+                f"goes on to chunk {point} under the weights before (a later state of the "
+                "run than the one the change was made from): "
+                "make the change from this state, pipe.change_weights(new_weights, "
+                "state=state) on the pipeline the state was saved by"
+            )
+        state_there = ScheduleState.from_json(lanes[str(at % num_lanes)]["next"])
+        while state_there.global_chunk < at:
+            components, state_there = schedule.advance(state_there)
+            if components is None:
+                break
+        if state_there.global_chunk != at or state_there.counts != counts:
+            raise ValueError(
+                f"the pipeline's mixture weights change at global chunk {at} from counts "
+                f"{list(counts)}, but the schedule before it reaches "
+                f"{list(state_there.counts)} there: the change was made for another run or "
+                "configuration; make it from this state with pipe.change_weights(new_weights, "
+                "state=state) on the pipeline the state was saved by"
+            )
 
 
 class _LaneCheck:
@@ -383,7 +427,8 @@ def _counts_problem(schedule: WorkSchedule, g: int, counts: Sequence[int]) -> st
     if sum(counts) != n:
         return (f"whose counts add up to {sum(counts)} samples, where {n} come before global "
                 f"chunk {g} (chunk_size={schedule.chunk_size})")
-    weights = schedule.weights
+    # After a weight change the round-robin counts from the change's point.
+    before, start, weights, _ = schedule.regime(g)
     active = [c for c, w in enumerate(weights) if w > 0]
     if not active:
         return "but the pipeline's datasets are empty: its schedule has no chunk"
@@ -391,10 +436,11 @@ def _counts_problem(schedule: WorkSchedule, g: int, counts: Sequence[int]) -> st
     slack = 1e-6 + 1e-12 * n
     for c, (count, weight) in enumerate(zip(counts, weights)):
         if weight <= 0:
-            if count:
-                return f"where dataset {c}, which has no weight, counts {count} samples (0)"
+            if count != start[c]:
+                return (f"where dataset {c}, which has no weight, counts {count} samples "
+                        f"({start[c]})")
             continue
-        share = n * weight
+        share = start[c] + (n - before) * weight
         if not share - (m - 1) - slack < count < share + 1 + slack:
             return (f"where dataset {c} counts {count} samples; at global chunk {g} its weight "
                     f"{weight:.6g} gives about {share:.1f}")

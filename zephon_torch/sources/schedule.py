@@ -30,6 +30,10 @@ pointer from the component with the largest deficit ``(n + 1) * w_c -
 count_c`` (ties: lowest component), which is smooth weighted round-robin: a
 100-pointer chunk at 70/30 holds 70 and 30, interleaved. The state is just
 ``count_c`` per component, so a chunk is regenerated from its start counts.
+Weights that change at a global chunk ``G`` (a resume under new weights,
+``weight_plan.py``) restart the deficit there: ``(n - n(G) + 1) * w'_c -
+(count_c - count_c(G))``; the schedule keeps each change's ``G`` and counts,
+so a state is still just the counts.
 
 **Chunks and lanes.** The global stream is cut into chunks of
 ``chunk_size`` pointers; global chunk ``g`` goes to lane ``g % num_lanes``
@@ -62,6 +66,7 @@ import numpy as np
 from zephon_torch.sources.base import Dataset, Shard
 from zephon_torch.sources.mixing import check_shares, check_weights, length_warning, stream_length
 from zephon_torch.sources.permute import permute, seed_key
+from zephon_torch.sources.weight_plan import WeightChange
 
 __all__ = ["Chunk", "ScheduleState", "WorkSchedule", "block_layout", "checked_blocks"]
 
@@ -251,6 +256,12 @@ class _BlockOrder:
         return out
 
 
+def _normalised(raw: Sequence[float]) -> list[float]:
+    """Weights divided by their sum (all 0 when they sum to 0)."""
+    total = float(sum(raw))
+    return [w / total for w in raw] if total > 0 else [0.0] * len(raw)
+
+
 def checked_blocks(dataset: Dataset, shard_id: int, num_samples: int) -> np.ndarray:
     """``dataset.blocks(shard_id)`` as int64, or a ValueError saying what is wrong with it."""
     raw = dataset.blocks(shard_id)
@@ -334,22 +345,30 @@ class WorkSchedule:
             trips = dataset.passes if dataset.passes is not None else passes
             self.limits.append(float("inf") if trips is None else trips * stream.size)
         sizes = [s.size for s in self.streams]
-        if weights is not None:
-            check_weights(datasets, weights)
+        changes: tuple[WeightChange, ...] = getattr(weights, "changes", ())
+        for given in ([weights] if weights is not None else []) + [c.weights for c in changes]:
+            check_weights(datasets, given)
             # A share needs samples: an empty dataset with a weight is an error, not 0.
-            check_shares(datasets, weights, sizes)
+            check_shares(datasets, given, sizes)
         # Without weights, an empty dataset's share is its size: 0.
         raw = list(weights) if weights is not None else [float(n) for n in sizes]
-        total = float(sum(raw))
-        self.weights = [w / total for w in raw] if total > 0 else [0.0] * len(raw)
+        self.weights = _normalised(raw)
         self.exhausted = exhausted
         self._active = [i for i, w in enumerate(self.weights) if w > 0]
         self._mixture = len(self._active) > 1
+        #: The weight changes as given (``weight_plan.py``), and as the deficits use them:
+        #: ``(at_chunk, positions before it, counts there, weights,
+        #: active datasets)``, by chunk (see the module doc); empty for most pipelines.
+        self.weight_changes = changes
+        self.changes = [(c.at_chunk, sum(c.counts), c.counts, w,
+                         [i for i, x in enumerate(w) if x > 0])
+                        for c in changes for w in [_normalised(c.weights)]]
+        current = self.changes[-1][3] if self.changes else self.weights
         #: About how many positions the stream holds (``inf``: endless; mixing.py).
-        self.expected_positions = stream_length(self.weights, self.limits, exhausted)
+        self.expected_positions = stream_length(current, self.limits, exhausted)
         #: What to warn before the first item (a ``"repeat"`` mixture far longer
         #: than its data), or None; a stream beyond ``MAX_POSITIONS`` is refused here.
-        self.length_warning = length_warning(datasets, self.weights, self.limits, exhausted)
+        self.length_warning = length_warning(datasets, current, self.limits, exhausted)
 
     @property
     def component_count(self) -> int:
@@ -369,9 +388,19 @@ class WorkSchedule:
 
         Returns ``(None, state)`` when the stream has ended.
         """
+        if self.changes and state.global_chunk >= self.changes[0][0]:
+            return self._advance_mixture(state, self.regime(state.global_chunk))
         if self._mixture:
             return self._advance_mixture(state)
         return self._advance_single(state)
+
+    def regime(self, global_chunk: int) -> tuple[int, tuple[int, ...], list[float], list[int]]:
+        """``(positions, counts, weights, active)`` the deficits at ``global_chunk``
+        count from: the last weight change at or before it, else the start."""
+        for at, base, counts, weights, active in reversed(self.changes):
+            if at <= global_chunk:
+                return base, counts, weights, active
+        return 0, (0,) * len(self.streams), self.weights, self._active
 
     def _advance_single(self, state: ScheduleState) -> tuple[np.ndarray | None, ScheduleState]:
         if not self._active:
@@ -386,12 +415,18 @@ class WorkSchedule:
         components = np.full(take, d, dtype=np.int64)
         return components, ScheduleState(state.global_chunk + 1, tuple(counts))
 
-    def _advance_mixture(self, state: ScheduleState) -> tuple[np.ndarray | None, ScheduleState]:
+    def _advance_mixture(self, state: ScheduleState,
+                         regime: tuple[int, tuple[int, ...], list[float], list[int]] | None = None
+                         ) -> tuple[np.ndarray | None, ScheduleState]:
         counts = list(state.counts)
-        weights = self.weights
-        active = self._active
         limits = self.limits
         stop = self.exhausted == "stop"
+        if regime is None:
+            weights, active = self.weights, self._active
+        else:  # after a weight change: deficits (and "stop"'s limits) count from its point
+            _, start, weights, active = regime
+            counts = [n - s for n, s in zip(counts, start)]
+            limits = [lim - s for lim, s in zip(limits, start)]
         position = sum(counts)
         picks: list[int] = []
         for _ in range(self.chunk_size):
@@ -410,6 +445,8 @@ class WorkSchedule:
             position += 1
         if not picks:
             return None, state
+        if regime is not None:
+            counts = [n + s for n, s in zip(counts, regime[1])]
         return np.array(picks, dtype=np.int64), ScheduleState(state.global_chunk + 1,
                                                              tuple(counts))
 
@@ -418,7 +455,7 @@ class WorkSchedule:
         components, nxt = self.advance(state)
         if components is None:
             return None, state
-        if not self._mixture or (components[0] == components[-1]
+        if not (self._mixture or self.changes) or (components[0] == components[-1]
                                  and bool((components == components[0]).all())):
             d = int(components[0])  # one dataset (the usual chunk): no masks
             first = state.counts[d]

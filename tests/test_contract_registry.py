@@ -86,6 +86,14 @@ def test_the_builder_methods_said_to_add_no_stage_add_none() -> None:
     pipe = Pipeline.from_items(["a", "b"]).map_transform(str)
     assert builder_methods() >= NOT_STAGE_BUILDERS
     assert len(pipe.with_source(seed=3).ops) == len(pipe.ops)
+    from zephon_torch.sources import datasets as zd
+
+    mixture = Pipeline.from_sources([zd.items(["a", "b"]), zd.items(["c"], component_id=1)],
+                                    weights=[1.0, 1.0], num_lanes=1, chunk_size=1).batch(1)
+    with mixture.iter(runner="inline") as it:
+        next(it)
+        state = it.state_dict()
+    assert len(mixture.change_weights([1.0, 3.0], state=state).ops) == len(mixture.ops)
 
 
 def _calls_at_the_top(monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -219,3 +219,31 @@ def test_processes_starting_together_on_a_cold_cache_index_each_file_once(tmp_pa
     assert len(scans) == 30 and set(scans.values()) == {1}, scans
     assert fingerprint_of(tmp_path / "data", cache) in fingerprints
     assert len(entries(cache)) == 30
+
+
+@pytest.mark.parametrize("paths", [
+    ["/data/a/x.jsonl", "/data/b/y.jsonl"],
+    ["/data/x.jsonl", "/data/sub/deeper/y.jsonl", "/data/sub/z.jsonl"],
+    ["/x.jsonl", "/data/y.jsonl"],
+    ["/x.jsonl"],
+    ["rel/a.jsonl", "rel/../other/b.jsonl", "./c.jsonl"],
+    ["s3://bucket/a/x.jsonl", "s3://bucket/a//b/y.jsonl"],
+    ["/data/a.jsonl", "s3://bucket/b.jsonl"],
+])
+def test_shard_names_are_the_paths_relative_to_their_common_folder(paths):
+    from zephon_torch.sources.formats.common import shard_names
+
+    def reference(paths):  # the definition, one relpath a path
+        import posixpath
+
+        from zephon_torch.sources.paths import is_url
+        normed = [p.split("://", 1)[1] if is_url(p) else os.path.abspath(p) for p in paths]
+        try:
+            root = posixpath.commonpath([posixpath.dirname(p) for p in normed])
+        except ValueError:
+            return [posixpath.basename(p) for p in normed]
+        if not root:
+            return [p.lstrip("/") for p in normed]
+        return [posixpath.relpath(p, root) for p in normed]
+
+    assert shard_names(paths) == reference(paths)

@@ -197,9 +197,12 @@ class JsonlDataset(FileDataset):
             with indexing_lock(self.cache_dir, keys, f"jsonl {self.name!r}") as locked:
                 if locked:
                     listing = list_entries(self.cache_dir)
-                self._count_files(files, listing)
-        else:
-            self._count_files(files, listing)
+                if not locked or any(len(listing.get(key, ())) != 1 for key in keys):
+                    self._count_files(files, listing)
+                    return
+            # Another process indexed them while this one waited: count from the
+            # listing without holding the others up.
+        self._count_files(files, listing)
 
     def _count_files(self, files: list[str],
                      listing: dict[str, list[tuple[str, IndexInfo]]]) -> None:

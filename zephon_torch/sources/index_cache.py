@@ -3,7 +3,7 @@
 Scanning a large JSONL file to find its lines takes one full read; every
 process and every later run would repeat it. The index (``(n, 2)`` int64:
 byte offset and 1-based line number of each non-blank line) is therefore
-saved once as a ``.npy`` file named ``<key>.<about>.npy``:
+saved once as a ``.npy`` file named ``<key>.<about>.<lines>.npy``:
 
 * ``key`` is a hash of what identifies the file's content without reading
   it all: its absolute path (or URL), its size, its modification time and a
@@ -20,6 +20,11 @@ saved once as a ``.npy`` file named ``<key>.<about>.npy``:
   a loaded entry prove itself: an entry whose content does not hash to the
   digest in its name (edited, a row deleted, damaged on disk) is not used;
   the file is indexed again and the entry overwritten.
+* ``lines`` is the number of lines the index holds, so that one listing of
+  the folder counts every file without opening its entry: a dataset of
+  100,000 shards loads an index only when it first reads that shard.
+  Entries written before the count was in the name (``<key>.<about>.npy``)
+  are still read, and renamed to carry it.
 
 A folder is listed once per dataset to find the entries of its files; old
 entries are simply left behind (delete the folder to reclaim space).
@@ -30,6 +35,15 @@ complete file and the last rename wins, and a reader never sees half a file.
 A cache folder that cannot be written is not an error: the index is then
 kept in memory only, with a warning.
 
+Processes that start together (``torchrun`` ranks on a cold cache) would each
+scan every file. :func:`indexing_lock` lets one of them index while the
+others wait, then list the folder again and find the entries written: an
+advisory ``flock`` on ``.lock-<hash of the dataset's keys>`` in the folder,
+removed when the indexing is done and released when the process ends however
+it ends. Where the lock cannot be
+taken (a folder that cannot be written, a file system without ``flock``)
+each process indexes on its own, as before.
+
 The folder is ``cache_dir`` when given, else ``$ZEPHON_CACHE_DIR``, else
 ``~/.cache/zephon_torch/index``.
 """
@@ -39,11 +53,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
 import uuid
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +75,10 @@ __all__ = [
     "describe_index",
     "entry_name",
     "index_key",
+    "indexing_lock",
     "list_entries",
     "load_index",
+    "name_count",
     "remove_entry",
     "save_index",
 ]
@@ -67,7 +86,8 @@ __all__ = [
 #: Bumped whenever the meaning of a cached index changes.
 FORMAT_VERSION = 2
 _warned_dirs: set[str] = set()
-_NAME = re.compile(r"^([0-9a-f]{40})\.(lf|cr)([0-9a-f]{32})\.npy$")
+_NAME = re.compile(r"^([0-9a-f]{40})\.(lf|cr)([0-9a-f]{32})(?:\.(0|[1-9][0-9]{0,17}))?\.npy$")
+_log = logging.getLogger("zephon_torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,17 +97,20 @@ class IndexInfo:
     Attributes:
         line_end: ``"lf"`` (``\\n`` or ``\\r\\n``) or ``"cr"`` (``\\r`` only).
         digest: 32 hex digits: a hash of the index and the line ending.
+        lines: The number of lines (rows of the index); None for an entry
+            named before the count was part of the name.
     """
 
     line_end: str
     digest: str
+    lines: int | None
 
 
 def describe_index(index: np.ndarray, line_end: str) -> IndexInfo:
     """The :class:`IndexInfo` of an index (hashes the offsets and line numbers)."""
     h = hashlib.blake2b(line_end.encode(), digest_size=16)
     h.update(np.ascontiguousarray(index, dtype="<i8"))
-    return IndexInfo(line_end, h.hexdigest())
+    return IndexInfo(line_end, h.hexdigest(), len(index))
 
 
 def default_cache_dir() -> str:
@@ -117,7 +140,14 @@ def index_key(path: str, stat: FileStat, kind: str, edges: str) -> str | None:
 
 def entry_name(key: str, info: IndexInfo) -> str:
     """The file name of the entry for ``key`` holding an index described by ``info``."""
-    return f"{key}.{info.line_end}{info.digest}.npy"
+    if info.lines is None:
+        raise ValueError(f"index cache: the entry for {key} needs its line count")
+    return f"{key}.{info.line_end}{info.digest}.{info.lines}.npy"
+
+
+def _info_of(match: re.Match[str]) -> IndexInfo:
+    count = match.group(4)
+    return IndexInfo(match.group(2), match.group(3), None if count is None else int(count))
 
 
 def list_entries(cache_dir: str) -> dict[str, list[tuple[str, IndexInfo]]]:
@@ -135,8 +165,7 @@ def list_entries(cache_dir: str) -> dict[str, list[tuple[str, IndexInfo]]]:
     for name in sorted(names):
         match = _NAME.match(name)
         if match is not None:
-            found.setdefault(match.group(1), []).append(
-                (name, IndexInfo(match.group(2), match.group(3))))
+            found.setdefault(match.group(1), []).append((name, _info_of(match)))
     return found
 
 
@@ -145,10 +174,10 @@ def load_index(cache_dir: str, name: str) -> np.ndarray | None:
 
     The array is memory-mapped, so processes that read the same file share
     its pages instead of each holding a copy. It must hash to the digest in
-    its name (:func:`describe_index`): an entry edited or damaged on disk (a
-    row deleted would silently drop a line) is None, so the caller indexes
-    the file again and overwrites it. Hashing costs about 12 ms per million
-    lines.
+    its name (:func:`describe_index`) and hold the number of lines its name
+    gives: an entry edited or damaged on disk (a row deleted would silently
+    drop a line) is None, so the caller indexes the file again and overwrites
+    it. Hashing costs about 12 ms per million lines.
     """
     match = _NAME.match(name)
     if match is None:
@@ -165,9 +194,92 @@ def load_index(cache_dir: str, name: str) -> np.ndarray | None:
         return None  # damaged entry: the caller rebuilds and overwrites it
     if index.ndim != 2 or index.shape[1] != 2 or index.dtype != np.int64:
         return None
-    if describe_index(index, match.group(2)) != IndexInfo(match.group(2), match.group(3)):
+    named = _info_of(match)
+    found = describe_index(index, named.line_end)
+    if found.digest != named.digest or named.lines not in (None, found.lines):
         return None  # not the index its name describes
     return index
+
+
+def name_count(cache_dir: str, name: str, info: IndexInfo) -> str:
+    """Rename an entry without a line count in its name to the name with it
+    (``info`` has the count); the name to use (the old one if renaming fails)."""
+    match = _NAME.match(name)
+    if match is None or match.group(4) is not None:
+        return name
+    key = match.group(1)
+    new = entry_name(key, info)
+    try:
+        os.replace(os.path.join(cache_dir, name), os.path.join(cache_dir, new))
+    except OSError:
+        return name  # read-only folder, or another process renamed it first
+    return new
+
+
+@contextlib.contextmanager
+def indexing_lock(cache_dir: str, keys: Sequence[str], what: str) -> Iterator[bool]:
+    """Hold the folder's lock for a dataset's files while it indexes them.
+
+    Processes listing the same files (the same ``keys``) take turns: the
+    first indexes, the others wait here, then list the folder again and find
+    its entries. Yields True when the lock is held, False when it cannot be
+    taken (the caller indexes without it, as every process did before).
+
+    Args:
+        cache_dir: The cache folder (created if missing).
+        keys: The cache keys of the dataset's files, in order.
+        what: The dataset, for the log line of a process that waits.
+    """
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform
+        yield False
+        return
+    h = hashlib.blake2b(digest_size=16)
+    for key in keys:
+        h.update(key.encode() + b"\0")
+    path = os.path.join(cache_dir, f".lock-{h.hexdigest()}")
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd = _locked(fcntl, path, what, cache_dir)
+    except OSError:  # a folder that cannot be written, a file system without flock
+        yield False  # the write of the entries warns about the folder
+        return
+    try:
+        yield True
+    finally:
+        # Removed while held, so the folder keeps only entries; a process that
+        # waited on this file sees it gone and locks a new one (see _locked).
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _locked(fcntl: Any, path: str, what: str, cache_dir: str) -> int:
+    """An open descriptor of the lock file ``path``, locked; raises OSError."""
+    waited = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waited:
+                    _log.info("%s: waiting for another process indexing the same files "
+                              "in %s", what, cache_dir)
+                    waited = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            return fd
+        os.close(fd)  # the holder removed the file as it finished: lock a new one
 
 
 def remove_entry(cache_dir: str, name: str) -> None:

@@ -87,12 +87,17 @@ def shard_names(paths: Sequence[str]) -> list[str]:
     normed = [p.split("://", 1)[1] if is_url(p) else os.path.abspath(p).replace(os.sep, "/")
               for p in paths]
     try:
-        root = posixpath.commonpath([posixpath.dirname(p) for p in normed])
+        root = posixpath.commonpath({posixpath.dirname(p) for p in normed})  # once each
     except ValueError:  # a mix of absolute and relative URL paths
         return [posixpath.basename(p) for p in normed]
     if not root:
         return [p.lstrip("/") for p in normed]
-    return [posixpath.relpath(p, root) for p in normed]
+    # A local path is absolute and normal here, so its name under the root is its
+    # tail: cut it without relpath, which costs ~10 us a path (a second at 100,000).
+    cut = len(root) if root.endswith("/") else len(root) + 1
+    under = root if root.endswith("/") else root + "/"
+    return [p[cut:] if not is_url(raw) and p.startswith(under)
+            else posixpath.relpath(p, root) for raw, p in zip(paths, normed)]
 
 
 def even_share(total: int, count: int, ids: np.ndarray) -> int:

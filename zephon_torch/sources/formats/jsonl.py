@@ -49,8 +49,10 @@ from zephon_torch.sources.index_cache import (
     default_cache_dir,
     describe_index,
     index_key,
+    indexing_lock,
     list_entries,
     load_index,
+    name_count,
     remove_entry,
     save_index,
 )
@@ -166,7 +168,9 @@ class JsonlDataset(FileDataset):
         self.cache_dir = (default_cache_dir() if cache_dir is None
                           else os.path.abspath(os.fspath(cache_dir)))
         self._files: list[_JsonlFile] = []
-        self._infos: list[IndexInfo] = []  # what each index says (line ending, digest)
+        # What each index says (line ending, digest, count), from its cache entry's
+        # name where it has one: an index is loaded when its shard is first read.
+        self._infos: list[IndexInfo] = []
         self._entries: list[str | None] = []  # each index's cache entry, if on disk
         # Indexes without a disk copy stay here (and travel when pickled);
         # those on disk are memory-mapped on demand into a bounded cache.
@@ -176,39 +180,64 @@ class JsonlDataset(FileDataset):
         self._block_starts: dict[int, np.ndarray] = {}
         self._last_block = ReadOnceCache(self.block_cache_size)
         self._reading = KeyedLocks()
-        listing: dict[str, list[tuple[str, IndexInfo]]] | None = None
-        for shard_id, (path, shard_name) in enumerate(zip(files, shard_names(files))):
+        for path in files:
             compression = _compression_of(path)
             if compression == "zstd":
                 require("zstandard", "reading .zst files")
             stat = stat_file(path)
             edges = file_edges(path, stat.size)
             kind = f"lines.{compression or 'plain'}"
-            file = _JsonlFile(path, compression, stat, edges, index_key(path, stat, kind, edges))
-            self._files.append(file)
-            index = info = entry = None
-            if file.key is not None:
-                if listing is None:  # one listing of the cache folder for all files
+            self._files.append(_JsonlFile(path, compression, stat, edges,
+                                          index_key(path, stat, kind, edges)))
+        keys = [file.key for file in self._files if file.key is not None]
+        listing = list_entries(self.cache_dir) if keys else {}  # one listing for all files
+        if any(len(listing.get(key, ())) != 1 for key in keys):
+            # Files to index: processes starting together (torchrun ranks) take turns,
+            # so that one indexes and the others find its entries.
+            with indexing_lock(self.cache_dir, keys, f"jsonl {self.name!r}") as locked:
+                if locked:
                     listing = list_entries(self.cache_dir)
-                found = listing.get(file.key, [])
-                if len(found) == 1:
-                    entry, info = found[0]
-                    index = load_index(self.cache_dir, entry)
-                else:  # none, or several (ambiguous): index again
-                    for stale, _ in found:
-                        remove_entry(self.cache_dir, stale)
-            if index is None:
-                index, line_end, complete = self._scan(file)
-                info = describe_index(index, line_end)
-                entry = (save_index(self.cache_dir, file.key, index, info)
-                         if complete and file.key else None)
-                if entry is None:
-                    self._pinned[shard_id] = index
+                if not locked or any(len(listing.get(key, ())) != 1 for key in keys):
+                    self._count_files(files, listing)
+                    return
+            # Another process indexed them while this one waited: count from the
+            # listing without holding the others up.
+        self._count_files(files, listing)
+
+    def _count_files(self, files: list[str],
+                     listing: dict[str, list[tuple[str, IndexInfo]]]) -> None:
+        """Count every file's lines, from the cache listing where it can, and make
+        the shards."""
+        for shard_id, (file, shard_name) in enumerate(zip(self._files, shard_names(files))):
+            info, entry = self._count(shard_id, file, listing)
             self._infos.append(info)
             self._entries.append(entry)
-            self._shards.append(Shard(shard_id=shard_id, num_samples=len(index),
-                                      name=shard_name, path=path,
-                                      access="stream" if compression else "pointer"))
+            self._shards.append(Shard(shard_id=shard_id, num_samples=int(info.lines or 0),
+                                      name=shard_name, path=file.path,
+                                      access="stream" if file.compression else "pointer"))
+
+    def _count(self, shard_id: int, file: _JsonlFile,
+               listing: dict[str, list[tuple[str, IndexInfo]]]) -> tuple[IndexInfo, str | None]:
+        """What a file's index says, and its cache entry (None: kept in memory)."""
+        found = listing.get(file.key, []) if file.key is not None else []
+        if len(found) == 1:
+            entry, info = found[0]
+            if info.lines is not None:
+                return info, entry  # its index is loaded when the shard is first read
+            index = load_index(self.cache_dir, entry)  # named before counts were in names
+            if index is not None:
+                info = describe_index(index, info.line_end)
+                self._loaded.put(shard_id, index)
+                return info, name_count(self.cache_dir, entry, info)
+        for stale, _ in found:  # ambiguous or damaged: index again
+            remove_entry(self.cache_dir, stale)
+        index, line_end, complete = self._scan(file)
+        info = describe_index(index, line_end)
+        entry = (save_index(self.cache_dir, file.key, index, info)
+                 if complete and file.key else None)
+        if entry is None:
+            self._pinned[shard_id] = index
+        return info, entry
 
     # -- index ------------------------------------------------------------
 
@@ -241,10 +270,13 @@ class JsonlDataset(FileDataset):
         if index is None:
             file = self._files[shard_id]
             entry = self._entries[shard_id]
+            # The entry is checked against its name (digest and count), which gave
+            # the shard's count and content signature.
             index = None if entry is None else load_index(self.cache_dir, entry)
-            if index is None:  # the cache entry was removed: index again
+            if index is None:  # the cache entry was removed or damaged: index again
                 index, line_end, complete = self._scan(file)
                 if describe_index(index, line_end) != self._infos[shard_id]:
+                    self._forget_index(shard_id)  # a restart indexes it again
                     then = self._shards[shard_id].num_samples
                     how = (f"{then} lines then, {len(index)} now" if len(index) != then
                            else "the same number of lines, at other places")

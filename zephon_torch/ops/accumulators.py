@@ -61,6 +61,10 @@ class Accumulator:
     #: and the micro-batches it returns (from ``push_block`` and ``flush``)
     #: are blocks too.
     takes_blocks: bool = False
+    #: True when a push may return small micro-batches first (a lane's first push
+    #: cut to grow, see :class:`CountingAccumulator`): a local stage then runs the
+    #: later ones of a push as they are released, after the first has moved on.
+    ramps: bool = False
 
     def push_many(self, elems: Sequence[Any]) -> list[list[Any]]:
         """Consume elements in stream order; return the micro-batches now ready."""
@@ -161,6 +165,7 @@ class CountingAccumulator(Accumulator):
         # Lanes whose first push has been cut (see ``ramp_from``).
         self._ramped: set[int] = set()
         self._ramp_from = ramp_from if ramp_from is not None and ramp_from < max_batch else None
+        self.ramps = self._ramp_from is not None
         self.max_latency_ms = max_latency_ms
         self.drop_last = drop_last
         self._buffers: dict[int, list[Any]] = {}

@@ -332,13 +332,18 @@ class Engine:
             del stage.stalled[lane]
 
     def _dispatch(self, stage: Stage, batches: list[Any]) -> None:
+        first = True
         for batch in batches:
             if not len(batch):
                 continue
             stage.counters["microbatches"] += 1
-            if stage.local:
-                # Run when released, one at a time: a lane's small first micro-batch
-                # reaches the next stages before its larger next ones are worked.
+            if stage.local and (first or not stage.acc.ramps):
+                stage.slots.append(_Slot(_run_local(stage, batch)))
+                first = False
+            elif stage.local:
+                # The next ones of one push run when released, one at a time: a
+                # lane's small first micro-batch reaches the next stages before its
+                # larger next ones are worked (see CountingAccumulator's ramp_from).
                 stage.slots.append(_Slot(job=batch))
                 stage.in_flight += 1
             else:
@@ -383,11 +388,10 @@ class Engine:
         target = self.stages[index].inbox if index < len(self.stages) else self.outputs
         moved = False
         if self.deterministic:
-            ran = False  # one local job per release: the next stages take it first
-            while slots and slots[0].done() and not (ran and slots[0].job is not None):
-                slot = slots.popleft()
-                ran = ran or slot.job is not None
-                self._forward(stage, slot, target)
+            # A local job runs only as the first thing released here: what came
+            # before it goes to the next stages first.
+            while slots and slots[0].done() and not (moved and slots[0].job is not None):
+                self._forward(stage, slots.popleft(), target)
                 moved = True
             return moved
         # Completion order for data; a control slot waits for all before it.

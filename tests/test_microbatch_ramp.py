@@ -123,3 +123,21 @@ def test_a_stage_size_below_the_first_size_is_not_ramped() -> None:
 def test_a_bad_first_size_is_refused(bad: Any) -> None:
     with pytest.raises(ValueError, match="ramp_from must be a positive integer"):
         CountingAccumulator(64, ramp_from=bad)
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_the_ramp_reads_each_row_group_once_in_file_order(tmp_path: Any, lanes: int) -> None:
+    # The first push of a lane is cut small, and its later micro-batches run after
+    # the first has moved on; they must still run in the order they were cut, or
+    # a fetch of the next chunk reads ahead and evicts row groups they still need.
+    from corpus import write_token_parquet
+
+    files = [str(write_token_parquet(tmp_path / f"p{i}.parquet", 3000, seed=7 + i,
+                                     rows_per_group=256)) for i in range(2)]
+    pipe = (Pipeline.from_parquet(files, columns=["input_ids"], num_lanes=lanes,
+                                  shuffle=False).fetch().pack_flat(512).batch(4))
+    with pipe.iter(runner="inline") as it:
+        for _ in it:
+            pass
+        stats = it.stats()
+    assert stats["bytes_read"] == stats["sample_bytes"]

@@ -337,13 +337,14 @@ class Engine:
             if not len(batch):
                 continue
             stage.counters["microbatches"] += 1
-            if stage.local and (first or not stage.acc.ramps):
+            if stage.local and (not stage.acc.ramps or (first and not stage.in_flight)):
                 stage.slots.append(_Slot(_run_local(stage, batch)))
                 first = False
             elif stage.local:
                 # The next ones of one push run when released, one at a time: a
                 # lane's small first micro-batch reaches the next stages before its
                 # larger next ones are worked (see CountingAccumulator's ramp_from).
+                # Jobs run in the order they were cut (reads stay in file order).
                 stage.slots.append(_Slot(job=batch))
                 stage.in_flight += 1
             else:

@@ -66,8 +66,8 @@ def make_corpus(mb: float, seed: int = 0, words: int | None = None) -> Path:
         while size < 4_000_000 and written + size < target:
             n = (max(1, int(rng.lognormal(5.0, 1.1))) if words is None
                  else max(1, int(rng.normal(words, words / 6))))
-            words = rng.choice(len(WORDS), size=n)
-            text = " ".join(WORDS[w] for w in words)
+            picked = rng.choice(len(WORDS), size=n)
+            text = " ".join(WORDS[w] for w in picked)
             line = json.dumps({"text": text}) + "\n"
             lines.append(line)
             size += len(line)

@@ -186,7 +186,11 @@ class Engine:
         return stage.max_in_flight or self.max_in_flight
 
     def _has_capacity(self) -> bool:
-        return all(stage.in_flight < self._limit(stage) for stage in self.stages)
+        # A local stage with micro-batches still to run (a ramping stage's deferred
+        # ones) has none: the source is read once they have run, as when every
+        # local micro-batch ran at once, so the run does not read further ahead.
+        return all(not stage.in_flight if stage.local else stage.in_flight < self._limit(stage)
+                   for stage in self.stages)
 
     def _wait(self) -> None:
         futures = [slot.future for stage in self.stages for slot in stage.slots

@@ -194,6 +194,9 @@ def serve_credits(step: Callable[[], tuple[Ship | None, tuple | None]], control:
         parent: The parent's pid (a change means the parent is gone).
         credits: The credits at the start.
 
+    After the end message it waits for :data:`STOP`, so that a parent that
+    dies before reading what was sent still leaves it to this producer to sweep.
+
     Raises:
         Orphaned: The parent is gone (a segment being sent is discarded).
     """
@@ -216,6 +219,10 @@ def serve_credits(step: Callable[[], tuple[Ship | None, tuple | None]], control:
             credits -= 1
         if end is not None:
             send_to_parent(data, pickle.dumps(end, protocol=PROTOCOL))
+            # What was sent may still wait in transit: stay until the parent says
+            # STOP (it has read or swept it) or is gone (Orphaned: the caller sweeps).
+            while recv_from_parent(control, parent) != STOP:
+                pass
             return
 
 

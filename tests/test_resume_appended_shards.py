@@ -299,3 +299,20 @@ def test_a_later_epoch_reads_the_grown_shards_from_its_first_pass(
     assert later.source.datasets[0].shard_growth == ()
     assert _schedule(later).streams[0].locate(np.arange(280))[0].tolist() == \
         _schedule(epoch_pipeline(grown, 1)).streams[0].locate(np.arange(280))[0].tolist()
+
+
+def test_a_state_of_an_earlier_epoch_than_the_growth_is_refused(
+        dirs: tuple[Path, Path]) -> None:
+    old, grown = _pipe(dirs[0]), _pipe(dirs[1])
+    it = old.iter(runner="inline", epoch=1)
+    next(it)
+    state = json.loads(json.dumps(it.state_dict()))
+    it.close()
+    appended = grown.append_shards(state=state)
+    assert appended.source.datasets[0].shard_growth[0].epoch == 1
+    earlier = _head(old, 2)[1]   # epoch 0, before the growth
+    with pytest.raises(ValueError, match=r"appended in epoch 1, and this state was saved in "
+                                         r"epoch 0"):
+        appended.iter(runner="inline").load_state_dict(earlier)
+    rest = _resume(appended, state, epoch=1)
+    assert rest

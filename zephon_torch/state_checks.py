@@ -296,6 +296,14 @@ def check_shard_growth(state: Mapping[str, Any], schedule: WorkSchedule) -> None
         for i, growth in enumerate(growth_of(stream.dataset)):
             if [d, growth.shards_before, growth.from_pass, growth.epoch] in saved:
                 continue
+            if growth.epoch != state_epoch(state):
+                raise ValueError(
+                    f"dataset {stream.dataset.name!r} (datasets[{d}]): the pipeline's shards "
+                    f"were appended in epoch {growth.epoch}, and this state was saved in epoch "
+                    f"{state_epoch(state)} before them: resume it on the pipeline over the "
+                    "files it was saved with, or make the growth from this state, "
+                    "pipe.append_shards(state=state)"
+                )
             num_lanes = schedule.num_lanes
             point = change_point(state, num_lanes, action="resuming with appended shards")
             reached = int(state["lanes"][str(point % num_lanes)]["next"][1 + d])

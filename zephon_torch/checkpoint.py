@@ -71,6 +71,7 @@ from zephon_torch.resume_changes import (
     resumed_state,
 )
 from zephon_torch.sources.schedule import ScheduleState
+from zephon_torch.sources.shard_growth import before_growth, growth_from_json
 from zephon_torch.sources.weight_plan import changes_from_json
 from zephon_torch.state_checks import check_fields
 
@@ -88,6 +89,7 @@ __all__ = [
     "key_from_json",
     "merge_states",
     "refuse_nondeterministic",
+    "shards_appended_since",
     "state_checksum",
     "weights_changed_since",
 ]
@@ -281,7 +283,7 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
             "sources, operators, num_lanes, chunk_size, seed and flush_every_k_chunks; what "
             "may change (the batch size, a shuffle's buffer_size, micro-batch sizes, runner and "
             "workers) is listed in "
-            "docs/checkpoints.md, \"What a resume may change\""
+            "docs/checkpoints.md, \"What a resume may change\"" + _growth_hint(differ)
         )
     if "data" in theirs and state.get(ACCEPT_CHANGED_DATA) is not True:
         changed = data_changes(mine.get("data"), theirs["data"], fingerprint)
@@ -313,6 +315,8 @@ def differing_parts(mine: Mapping[str, Any], theirs: Mapping[str, Any],
                     if k != "data" and not is_detail(k) and mine.get(k) != theirs.get(k))
     if fingerprint is None:
         return differ
+    if "shard_growth" in differ and shards_appended_since(fingerprint, theirs):
+        differ = [k for k in differ if k not in _GROWTH_PARTS]
     return [k for k in differ if not _same_as_earlier_form(k, fingerprint, theirs)
             and not changed_after_resume_point(k, fingerprint, theirs)
             and not changed_at_epoch_boundary(k, fingerprint, theirs)
@@ -332,6 +336,40 @@ def weights_changed_since(mine: Mapping[str, Any], theirs: Mapping[str, Any]) ->
     except ValueError:
         return False
     return len(ours) > len(saved) and ours[:len(saved)] == saved
+
+
+#: The parts shards appended on a resume change (``sources/shard_growth.py``).
+_GROWTH_PARTS = ("datasets", "blocks", "shard_growth")
+
+
+def shards_appended_since(fingerprint: Mapping[str, Any], theirs: Mapping[str, Any]) -> bool:
+    """Whether this pipeline (its ``fingerprint``) is the state's (parts ``theirs``) with
+    shards appended: the state's growths first, then one or more of its own, and the
+    datasets before those exactly the state's (names, sample counts, block layout).
+
+    Where the new ones join against the state's position is checked against the
+    schedule (``state_checks.py``); the contents of the old shards by
+    :func:`~zephon_torch.fingerprint.data_changes`.
+    """
+    rows = fingerprint.get("shard_growth") or []
+    try:
+        saved = growth_from_json(theirs.get("shard_growth"))
+    except ValueError:
+        return False
+    if len(rows) <= len(saved) or [list(r) for r in rows[:len(saved)]] != saved:
+        return False
+    before = fingerprint_parts(before_growth(fingerprint, len(saved)))
+    return all(before.get(k) == theirs.get(k) for k in _GROWTH_PARTS)
+
+
+def _growth_hint(differ: Sequence[str]) -> str:
+    """What to do when the datasets differ: shards appended since join through
+    ``append_shards`` (empty for other differences)."""
+    if "datasets" not in differ and "shard_growth" not in differ:
+        return ""
+    return (". If shards were only appended (the old ones unchanged, in their order), build "
+            "the pipeline over the grown files and resume on pipe.append_shards(state=state): "
+            "the new shards join at the dataset's next pass")
 
 
 def _weights_refusal(differ: Sequence[str]) -> str | None:

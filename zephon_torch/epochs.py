@@ -52,6 +52,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from zephon_torch.sources.permute import seed_key
+from zephon_torch.sources.shard_growth import growth_of, with_growth
 from zephon_torch.sources.weight_plan import epoch_weights
 
 if TYPE_CHECKING:
@@ -108,8 +109,9 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 def epoch_pipeline(pipeline: Pipeline, epoch: int) -> Pipeline:
     """The pipeline that runs in ``epoch``: the seeds derived for it (see the module doc),
-    and mixture weights changed in an earlier epoch in force from its start
-    (``sources/weight_plan.py``).
+    mixture weights changed in an earlier epoch in force from its start
+    (``sources/weight_plan.py``), and shards appended in an earlier epoch read from
+    its first pass (``sources/shard_growth.py``).
 
     Only for running: its fingerprint differs from ``pipeline``'s (the seed
     does), and states carry the original's fingerprint and the epoch. Epoch 0
@@ -118,11 +120,16 @@ def epoch_pipeline(pipeline: Pipeline, epoch: int) -> Pipeline:
     epoch = check_epoch(epoch)
     # Mixture weights changed on a resume: those of earlier epochs from the start.
     weights = epoch_weights(pipeline.source.weights, epoch)
+    # Shards appended in an earlier epoch (sources/shard_growth.py): read from its first pass.
+    datasets = tuple(with_growth(d, [g for g in growth_of(d) if g.epoch >= epoch])
+                     for d in pipeline.source.datasets)
     if epoch == 0 and weights is pipeline.source.weights:
         return pipeline
     changed: dict[str, Any] = {"seed": epoch_seed(pipeline.source.seed, epoch)} if epoch else {}
     if weights is not pipeline.source.weights:
         changed["weights"] = weights
+    if datasets != pipeline.source.datasets:
+        changed["datasets"] = datasets
     source = pipeline.with_source(**changed).source
     # The pipeline's own class: this module sits below the builder and never imports it.
     return type(pipeline)(source, tuple(op.for_epoch(epoch) for op in pipeline.ops))

@@ -5,7 +5,8 @@ configuration that defines its output, as JSON-able builtins: the datasets
 (their options, shards, sample counts and content tables), the source
 settings (weights, lanes, chunk size, seed, flush period, passes, read
 order; ``weight_changes`` only when a resume changed the mixture weights,
-``sources/weight_plan.py``) and each operator's ``config()``. Runner, worker counts and
+``sources/weight_plan.py``; ``shard_growth`` only when shards were appended,
+``sources/shard_growth.py``) and each operator's ``config()``. Runner, worker counts and
 micro-batch sizes are not in it: they never change the output.
 
 A state keeps it as **parts** (:func:`fingerprint_parts`): a short digest per
@@ -27,6 +28,7 @@ from typing import Any
 
 from zephon_torch.sources.base import parse_content_table
 from zephon_torch.sources.schedule import block_layout
+from zephon_torch.sources.shard_growth import growth_to_json
 from zephon_torch.sources.weight_plan import MixtureWeights, changes_to_json
 
 __all__ = [
@@ -72,6 +74,9 @@ def pipeline_fingerprint(source: Any, ops: Sequence[Any], flush_every: int) -> d
     changes = changes_to_json(src.weights)
     if changes:  # weights changed on a resume (weight_plan.py): only then a part
         fingerprint["weight_changes"] = changes
+    growth = growth_to_json(src.datasets)
+    if growth:  # shards appended on a resume (shard_growth.py): only then a part
+        fingerprint["shard_growth"] = growth
     if src.shuffle:  # a shuffled pass follows the shards' read blocks
         layout = block_layout(src.datasets)
         if layout:  # only shards of several blocks: the others keep their order
@@ -113,7 +118,7 @@ def fingerprint_parts(fingerprint: Mapping[str, Any],
             parts["ops.count"] = str(len(value))
         elif key == "datasets":
             parts.update(_dataset_parts(value))
-        elif key == "weight_changes":  # the values, so that a state can be extended
+        elif key in ("weight_changes", "shard_growth"):  # the values: a state can be extended
             parts[key] = json.dumps(value)
         else:
             parts[key] = digest(value)

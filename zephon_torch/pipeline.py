@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from zephon_torch import length
 from zephon_torch import pipeline_operators as _operators
 from zephon_torch import pipeline_sources as _sources
+from zephon_torch.append import append_shards
 from zephon_torch.fingerprint import fingerprint_digest, pipeline_fingerprint
 from zephon_torch.ops.base import Operator
 from zephon_torch.ops.placement import with_placement
@@ -180,6 +181,32 @@ class Pipeline:
                 weights are invalid.
         """
         return change_weights(self, weights, state=state)
+
+    def append_shards(self, *, state: Mapping[str, Any]) -> Pipeline:
+        """This pipeline, over files that grew since ``state``, reading the new ones from
+        the next pass on, to resume it.
+
+        Build the pipeline over the files as they are now (the state's shards
+        first, unchanged; new ones after them in the dataset's order). The
+        pass the saved run is in is finished over the old shards exactly as
+        it would have been; from the next pass of the dataset (the same for
+        every world size) each pass runs over the grown shards, in the order
+        a fresh pipeline over them gives that pass. Its states carry the
+        growth (call this again on a later state: it adds only shards
+        appended since). See ``zephon_torch/append.py`` and
+        docs/checkpoints.md, "What a resume may change".
+
+        Example:
+            >>> grown = zt.Pipeline.from_jsonl("data/*.jsonl").batch(8)  # doctest: +SKIP
+            >>> it = grown.append_shards(state=state).iter()  # doctest: +SKIP
+            >>> it.load_state_dict(state)  # doctest: +SKIP
+
+        Raises:
+            ValueError: A mixture, shards of the state removed, changed or
+                reordered, a state that is not this pipeline's or not whole
+                (merge the ranks' states), or no pass left to join.
+        """
+        return append_shards(self, state=state)
 
     def flush_every(self) -> int:
         """The effective flush-sentinel period (0: no sentinels)."""

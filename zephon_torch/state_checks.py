@@ -40,6 +40,7 @@ from typing import Any
 
 from zephon_torch.epochs import state_epoch
 from zephon_torch.sources.schedule import ScheduleState, WorkSchedule
+from zephon_torch.sources.shard_growth import growth_from_json, growth_of
 from zephon_torch.sources.weight_plan import change_point, changes_from_json
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "STATE_KEYS",
     "check_against_schedule",
     "check_fields",
+    "check_shard_growth",
 ]
 
 #: The largest integer a state holds (int64): chunk ids, counts, offsets, epochs.
@@ -226,6 +228,7 @@ def check_against_schedule(state: Mapping[str, Any], schedule: WorkSchedule, *,
         ValueError: Naming the lane, the field, its value and what is allowed.
     """
     check_weight_changes(state, schedule)
+    check_shard_growth(state, schedule)
     try:
         for key, entry in state["lanes"].items():
             lane = int(key)
@@ -274,6 +277,47 @@ def check_weight_changes(state: Mapping[str, Any], schedule: WorkSchedule) -> No
                 "configuration; make it from this state with pipe.change_weights(new_weights, "
                 "state=state) on the pipeline the state was saved by"
             )
+
+
+def check_shard_growth(state: Mapping[str, Any], schedule: WorkSchedule) -> None:
+    """Refuse appended shards that join where ``state`` has fixed positions.
+
+    The growths of ``schedule`` (``sources/shard_growth.py``) that the state's
+    ``shard_growth`` part does not hold are new: the pass each joins at must
+    start at or after the position its dataset has reached at the state's
+    change point (every chunk the state has registered, replays or
+    regenerates before it reads the old shards only).
+
+    Raises:
+        ValueError: Naming the dataset, the pass and what to do.
+    """
+    saved = growth_from_json(state["fingerprint"].get("shard_growth"))
+    for d, stream in enumerate(schedule.streams):
+        for i, growth in enumerate(growth_of(stream.dataset)):
+            if [d, growth.shards_before, growth.from_pass, growth.epoch] in saved:
+                continue
+            if growth.epoch != state_epoch(state):
+                raise ValueError(
+                    f"dataset {stream.dataset.name!r} (datasets[{d}]): the pipeline's shards "
+                    f"were appended in epoch {growth.epoch}, and this state was saved in epoch "
+                    f"{state_epoch(state)} before them: resume it on the pipeline over the "
+                    "files it was saved with, or make the growth from this state, "
+                    "pipe.append_shards(state=state)"
+                )
+            num_lanes = schedule.num_lanes
+            point = change_point(state, num_lanes, action="resuming with appended shards")
+            reached = int(state["lanes"][str(point % num_lanes)]["next"][1 + d])
+            assert stream.segments is not None
+            joins = stream.segments[i + 1][1]
+            if joins < reached:
+                raise ValueError(
+                    f"dataset {stream.dataset.name!r} (datasets[{d}]): the pipeline's appended "
+                    f"shards join at pass {growth.from_pass} (stream position {joins}), but "
+                    f"the state has read to position {reached} over the old shards (a later "
+                    "state of the run than the one the pipeline was made from): make it from "
+                    "this state, pipe.append_shards(state=state) on the pipeline over the "
+                    "grown files"
+                )
 
 
 class _LaneCheck:

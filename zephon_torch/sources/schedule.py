@@ -66,6 +66,7 @@ import numpy as np
 from zephon_torch.sources.base import Dataset, Shard
 from zephon_torch.sources.mixing import check_shares, check_weights, length_warning, stream_length
 from zephon_torch.sources.permute import permute, seed_key
+from zephon_torch.sources.shard_growth import growth_of, segments
 from zephon_torch.sources.weight_plan import WeightChange
 
 __all__ = ["Chunk", "ScheduleState", "WorkSchedule", "block_layout", "checked_blocks"]
@@ -122,17 +123,50 @@ class _DatasetStream:
         self.size = int(self.sizes.sum())
         self.seed = seed
         self.shuffle = shuffle
+        #: Shards appended during the run (``shard_growth.py``): ``(first pass, first
+        #: position, shard count, pass size)`` per segment; None when it never grew.
+        growth = growth_of(dataset)
+        self.segments = segments(growth, self.sizes.tolist()) if growth else None
         self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # Per shard, its block starts; per (shard, pass), its block order. Bounded:
         # a pass moves through shards one after another.
         self._starts: OrderedDict[int, np.ndarray] = OrderedDict()
         self._block_orders: OrderedDict[tuple[int, int], _BlockOrder] = OrderedDict()
 
+    def _segment(self, pass_index: int) -> tuple[int, int, int, int]:
+        """The segment (``shard_growth.py``) pass ``pass_index`` lies in."""
+        assert self.segments is not None
+        for segment in reversed(self.segments):
+            if segment[0] <= pass_index:
+                return segment
+        return self.segments[0]
+
+    def pass_start(self, pass_index: int) -> int:
+        """The stream position pass ``pass_index`` starts at."""
+        if self.segments is None:
+            return pass_index * self.size
+        first, start, _, size = self._segment(pass_index)
+        return start + (pass_index - first) * size
+
+    def _passes_of(self, positions: np.ndarray) -> np.ndarray:
+        """The pass of each stream position (ascending int64)."""
+        if self.segments is None:
+            return positions // self.size
+        starts = np.array([s[1] for s in self.segments], dtype=np.int64)
+        which = np.searchsorted(starts, positions, side="right") - 1
+        out = np.empty(len(positions), dtype=np.int64)
+        for i in np.unique(which).tolist():
+            first, start, _, size = self.segments[i]
+            sel = which == i
+            out[sel] = first + (positions[sel] - start) // max(size, 1)
+        return out
+
     def _pass_layout(self, pass_index: int) -> tuple[np.ndarray, np.ndarray]:
         """Shard order of a pass and the cumulative sizes in that order."""
         layout = self._orders.get(pass_index)
         if layout is None:
-            count = len(self.shards)
+            count = (len(self.shards) if self.segments is None
+                     else self._segment(pass_index)[2])
             order = np.arange(count, dtype=np.int64)
             if self.shuffle and count > 1:
                 order = permute(order, count, seed_key(self.seed, self.dataset_id, pass_index))
@@ -144,7 +178,7 @@ class _DatasetStream:
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Shard and local ids of stream ``positions`` (ascending int64)."""
-        passes = positions // self.size
+        passes = self._passes_of(positions)
         if len(passes) and passes[0] == passes[-1]:  # ascending: all of one pass
             return self._locate_in_pass(int(passes[0]), positions)
         shard_ids = np.empty(len(positions), dtype=np.int64)
@@ -156,7 +190,7 @@ class _DatasetStream:
 
     def _locate_in_pass(self, pass_index: int, positions: np.ndarray
                         ) -> tuple[np.ndarray, np.ndarray]:
-        offsets = positions - pass_index * self.size
+        offsets = positions - self.pass_start(pass_index)
         if len(self.sizes) == 1 and not self.shuffle:  # one shard, in order: no search
             return np.zeros(len(offsets), dtype=np.int64), offsets.astype(np.int64, copy=False)
         order, ends = self._pass_layout(pass_index)
@@ -343,7 +377,7 @@ class WorkSchedule:
         self.limits: list[float] = []
         for dataset, stream in zip(datasets, self.streams):
             trips = dataset.passes if dataset.passes is not None else passes
-            self.limits.append(float("inf") if trips is None else trips * stream.size)
+            self.limits.append(float("inf") if trips is None else stream.pass_start(trips))
         sizes = [s.size for s in self.streams]
         changes: tuple[WeightChange, ...] = getattr(weights, "changes", ())
         for given in ([weights] if weights is not None else []) + [c.weights for c in changes]:

@@ -94,6 +94,12 @@ def test_the_builder_methods_said_to_add_no_stage_add_none() -> None:
         next(it)
         state = it.state_dict()
     assert len(mixture.change_weights([1.0, 3.0], state=state).ops) == len(mixture.ops)
+    one = Pipeline.from_sources([zd.items(["a", "b"])], num_lanes=1, chunk_size=1,
+                                passes=None).batch(1)
+    with one.iter(runner="inline") as it:
+        next(it)
+        state = it.state_dict()
+    assert len(one.append_shards(state=state).ops) == len(one.ops)
 
 
 def _calls_at_the_top(monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -27,6 +27,9 @@ from typing import Any
 import numpy as np
 import pytest
 from harness import assert_restores_everywhere, per_lane
+from resume_helpers import head_and_state as _head
+from resume_helpers import record_keys as _keys
+from resume_helpers import resumed_rest as _resume
 
 import zephon_torch as zt
 from zephon_torch.checkpoint import merge_states
@@ -70,24 +73,6 @@ def _schedule(pipe: Pipeline) -> WorkSchedule:
                         weights=src.weights, exhausted=src.exhausted)
 
 
-def _head(pipe: Pipeline, steps: int, **kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
-    it = pipe.iter(runner="inline", **kwargs)
-    head = [next(it) for _ in range(steps)]
-    state = json.loads(json.dumps(it.state_dict()))
-    it.close()
-    return head, state
-
-
-def _resume(pipe: Pipeline, state: dict[str, Any], **kwargs: Any) -> list[Any]:
-    it = pipe.iter(**{"runner": "inline", **kwargs})
-    it.load_state_dict(state)
-    rest = list(it)
-    it.close()
-    return rest
-
-
-def _keys(items: list[Any]) -> list[tuple]:
-    return [r.meta.as_cursor_key() for b in items for r in b.records]
 
 
 def _by_position(items: list[Any], lanes: int = LANES) -> list[tuple]:

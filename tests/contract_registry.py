@@ -181,7 +181,7 @@ CASES: dict[str, Case] = {
 }
 
 #: The ``Pipeline`` methods that return a new pipeline but add no stage.
-NOT_STAGE_BUILDERS = frozenset({"with_source", "change_weights", "append_shards"})
+NOT_STAGE_BUILDERS = frozenset({"with_source", "change_weights", "append_shards", "change_lanes"})
 
 def registry() -> dict[type[Operator] | str, list[str]]:
     """The contract registry: each operator class and each ``"Pipeline.<method>"`` that

@@ -41,7 +41,7 @@ from zephon_torch.sources.shard_growth import (
     shards_problem,
     with_growth,
 )
-from zephon_torch.sources.weight_plan import change_point
+from zephon_torch.sources.weight_plan import change_point, next_before
 
 if TYPE_CHECKING:
     from zephon_torch.pipeline import Pipeline
@@ -115,7 +115,7 @@ def append_shards(pipeline: Pipeline, *, state: Mapping[str, Any]) -> Pipeline:
     trial = pipeline.with_source(datasets=(with_growth(dataset, [*saved, ShardGrowth(
         len(then), 0, epoch)]),))
     check_state(state, trial.fingerprint(), stage_names=trial.stage_names())
-    num_lanes = source.num_lanes
+    num_lanes = int(state["num_lanes"])
     trips = dataset.passes if dataset.passes is not None else source.passes
     lanes = state["lanes"]
     if any(str(lane) in lanes and lanes[str(lane)]["next"] is None for lane in range(num_lanes)):
@@ -126,7 +126,7 @@ def append_shards(pipeline: Pipeline, *, state: Mapping[str, Any]) -> Pipeline:
             "to join. Read them in a run of their own (a pipeline over them alone)"
         )
     point = change_point(state, num_lanes, action=_ACTION)
-    reached = int(state["lanes"][str(point % num_lanes)]["next"][1])
+    reached = int(next_before(state, point)[1])  # type: ignore[index]
     in_force = [g for g in saved if g.epoch == epoch]
     first, start, _, size = segments(in_force, [e.samples for e in then])[-1]
     join = first + join_pass(max(reached - start, 0), size)

@@ -70,6 +70,7 @@ from zephon_torch.resume_changes import (
     lane_earlier,
     resumed_state,
 )
+from zephon_torch.sources.lane_plan import LanePlan, lane_changes_from_json
 from zephon_torch.sources.schedule import ScheduleState
 from zephon_torch.sources.shard_growth import before_growth, growth_from_json
 from zephon_torch.sources.weight_plan import changes_from_json
@@ -128,12 +129,13 @@ def refuse_nondeterministic(action: str) -> NotCheckpointableError:
 
 def lane_state(progress: LaneProgress,
                next_state: Callable[[int, bool], ScheduleState | None],
-               num_lanes: int, earlier: Mapping[str, Any] | None = None) -> dict[str, Any]:
+               lanes: LanePlan, earlier: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One lane's entry of a state, from its progress (see the module doc).
 
     ``next_state(global_chunk, exhausted)`` gives the schedule state of a
     chunk not registered (yet, or again after a resume); None when the
-    schedule has no more. ``earlier``: the lane's ``earlier_ops`` in the
+    schedule has no more; ``lanes`` deals the chunks (``sources/lane_plan.py``).
+    ``earlier``: the lane's ``earlier_ops`` in the
     loaded state (see :mod:`~zephon_torch.resume_changes`), kept as far as
     the window still needs them.
     """
@@ -148,14 +150,14 @@ def lane_state(progress: LaneProgress,
         if progress.cursor_epoch is not None and progress.cursor_epoch >= first:
             cursor = _key_to_json(progress.cursor)
             count = sum(n for e, n in progress.delivered_in_epoch.items() if first <= e <= last)
-    if progress.finished:
+    if progress.finished or progress.lane >= lanes.total:  # (a lane of a later growth)
         nxt: ScheduleState | None = None
     else:
         next_chunk = window[-1] + 1 if window else progress.registered_until
         if next_chunk in chunks:  # registered already (a later epoch): known
             nxt = chunks[next_chunk].start
         else:  # still to be replayed, or new (None when the schedule has no more)
-            nxt = next_state(next_chunk * num_lanes + progress.lane, progress.exhausted)
+            nxt = next_state(lanes.global_chunk(progress.lane, next_chunk), progress.exhausted)
     boundaries = []
     k = progress.flush_every
     if window and k:
@@ -168,7 +170,7 @@ def lane_state(progress: LaneProgress,
         "next": None if nxt is None else nxt.to_json(),
         "outputs": progress.outputs,
     }
-    first = window[0] if window else None if nxt is None else nxt.global_chunk // num_lanes
+    first = window[0] if window else None if nxt is None else lanes.lane_of(nxt.global_chunk)[1]
     kept = lane_earlier(earlier, first)
     if kept:
         entry[EARLIER_KEY] = kept
@@ -284,6 +286,7 @@ def check_state(state: Any, fingerprint: Mapping[str, Any], *,
             "may change (the batch size, a shuffle's buffer_size, micro-batch sizes, runner and "
             "workers) is listed in "
             "docs/checkpoints.md, \"What a resume may change\"" + _growth_hint(differ)
+            + _lanes_hint(differ)
         )
     if "data" in theirs and state.get(ACCEPT_CHANGED_DATA) is not True:
         changed = data_changes(mine.get("data"), theirs["data"], fingerprint)
@@ -320,7 +323,23 @@ def differing_parts(mine: Mapping[str, Any], theirs: Mapping[str, Any],
     return [k for k in differ if not _same_as_earlier_form(k, fingerprint, theirs)
             and not changed_after_resume_point(k, fingerprint, theirs)
             and not changed_at_epoch_boundary(k, fingerprint, theirs)
-            and not (k == "weight_changes" and weights_changed_since(mine, theirs))]
+            and not (k == "weight_changes" and weights_changed_since(mine, theirs))
+            and not (k == "lane_changes" and lanes_grown_since(mine, theirs))]
+
+
+def lanes_grown_since(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> bool:
+    """Whether this pipeline's lane changes (parts ``mine``) extend those of the state
+    (``theirs``): the state's first, then one or more of its own (``sources/lane_plan.py``).
+
+    Whether the new ones start where the state leaves nothing fixed is checked
+    against the schedule (``state_checks.py``).
+    """
+    try:
+        ours = lane_changes_from_json(mine.get("lane_changes"))
+        saved = lane_changes_from_json(theirs.get("lane_changes"))
+    except ValueError:
+        return False
+    return len(ours) > len(saved) and ours[:len(saved)] == saved
 
 
 def weights_changed_since(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> bool:
@@ -370,6 +389,16 @@ def _growth_hint(differ: Sequence[str]) -> str:
     return (". If shards were only appended (the old ones unchanged, in their order), build "
             "the pipeline over the grown files and resume on pipe.append_shards(state=state): "
             "the new shards join at the dataset's next pass")
+
+
+def _lanes_hint(differ: Sequence[str]) -> str:
+    """What to do when the lane counts differ (empty for other differences)."""
+    if "num_lanes" not in differ and "lane_changes" not in differ:
+        return ""
+    return (". num_lanes decides which lane reads each chunk, so it stays as the state was "
+            "saved; to resume on more ranks than the state has lanes, build the pipeline the "
+            "state was saved by and resume on pipe.change_lanes(num_lanes, state=state): the "
+            "new lanes take the chunks after the state's step")
 
 
 def _weights_refusal(differ: Sequence[str]) -> str | None:

@@ -51,6 +51,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from zephon_torch.sources.lane_plan import epoch_lane_changes
 from zephon_torch.sources.permute import seed_key
 from zephon_torch.sources.shard_growth import growth_of, with_growth
 from zephon_torch.sources.weight_plan import epoch_weights
@@ -111,7 +112,8 @@ def epoch_pipeline(pipeline: Pipeline, epoch: int) -> Pipeline:
     """The pipeline that runs in ``epoch``: the seeds derived for it (see the module doc),
     mixture weights changed in an earlier epoch in force from its start
     (``sources/weight_plan.py``), and shards appended in an earlier epoch read from
-    its first pass (``sources/shard_growth.py``).
+    its first pass (``sources/shard_growth.py``), and lanes grown in an earlier
+    epoch dealt from its first chunk (``sources/lane_plan.py``).
 
     Only for running: its fingerprint differs from ``pipeline``'s (the seed
     does), and states carry the original's fingerprint and the epoch. Epoch 0
@@ -123,13 +125,18 @@ def epoch_pipeline(pipeline: Pipeline, epoch: int) -> Pipeline:
     # Shards appended in an earlier epoch (sources/shard_growth.py): read from its first pass.
     datasets = tuple(with_growth(d, [g for g in growth_of(d) if g.epoch >= epoch])
                      for d in pipeline.source.datasets)
-    if epoch == 0 and weights is pipeline.source.weights:
+    # Lanes grown on a resume (sources/lane_plan.py): those of earlier epochs from the start.
+    held = getattr(pipeline.source, "lane_changes", ())
+    lanes = epoch_lane_changes(held, epoch) if held else held
+    if epoch == 0 and weights is pipeline.source.weights and lanes == held:
         return pipeline
     changed: dict[str, Any] = {"seed": epoch_seed(pipeline.source.seed, epoch)} if epoch else {}
     if weights is not pipeline.source.weights:
         changed["weights"] = weights
     if datasets != pipeline.source.datasets:
         changed["datasets"] = datasets
+    if lanes != held:
+        changed["lane_changes"] = lanes
     source = pipeline.with_source(**changed).source
     # The pipeline's own class: this module sits below the builder and never imports it.
     return type(pipeline)(source, tuple(op.for_epoch(epoch) for op in pipeline.ops))

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zephon_torch.sources.base import parse_content_table
+from zephon_torch.sources.lane_plan import lane_changes_to_json
 from zephon_torch.sources.schedule import block_layout
 from zephon_torch.sources.shard_growth import growth_to_json
 from zephon_torch.sources.weight_plan import MixtureWeights, changes_to_json
@@ -74,6 +75,9 @@ def pipeline_fingerprint(source: Any, ops: Sequence[Any], flush_every: int) -> d
     changes = changes_to_json(src.weights)
     if changes:  # weights changed on a resume (weight_plan.py): only then a part
         fingerprint["weight_changes"] = changes
+    lanes = lane_changes_to_json(getattr(src, "lane_changes", ()))
+    if lanes:  # lanes grown on a resume (lane_plan.py): only then a part
+        fingerprint["lane_changes"] = lanes
     growth = growth_to_json(src.datasets)
     if growth:  # shards appended on a resume (shard_growth.py): only then a part
         fingerprint["shard_growth"] = growth
@@ -118,7 +122,8 @@ def fingerprint_parts(fingerprint: Mapping[str, Any],
             parts["ops.count"] = str(len(value))
         elif key == "datasets":
             parts.update(_dataset_parts(value))
-        elif key in ("weight_changes", "shard_growth"):  # the values: a state can be extended
+        elif key in ("weight_changes", "shard_growth", "lane_changes"):
+            # The values: a state can be extended.
             parts[key] = json.dumps(value)
         else:
             parts[key] = digest(value)

@@ -40,6 +40,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from zephon_torch.sources.lane_plan import lane_count
 from zephon_torch.sources.schedule import WorkSchedule
 from zephon_torch.topology import owned_lanes
 from zephon_torch.vocab import empty_text_rows, is_empty_text
@@ -68,6 +69,9 @@ def unknown_reason(pipeline: Pipeline) -> str | None:
     src = pipeline.source
     datasets = src.datasets
     reasons: list[str] = []
+    if getattr(src, "lane_changes", ()):
+        reasons.append("the lanes grew part-way through the run (Pipeline.change_lanes): a "
+                       "rank's share of the stream differs from epoch to epoch")
     for dataset in datasets:
         trips = dataset.passes if dataset.passes is not None else src.passes
         if trips is None:
@@ -120,21 +124,18 @@ def lane_records(pipeline: Pipeline) -> dict[int, list[int]] | None:
     sample for a mixture.
     """
     src = pipeline.source
-    schedule = WorkSchedule(
-        src.datasets, chunk_size=src.chunk_size, num_lanes=src.num_lanes, seed=src.seed,
-        passes=src.passes, shuffle=src.shuffle, weights=src.weights, exhausted=src.exhausted,
-    )
+    schedule = WorkSchedule.for_source(src)
     if any(limit == float("inf") for limit in schedule.limits):
         return None
     if schedule.length_warning:  # before a walk that may take a while
         warnings.warn(schedule.length_warning, RuntimeWarning, stacklevel=4)
-    sizes: dict[int, list[int]] = {lane: [] for lane in range(src.num_lanes)}
+    sizes: dict[int, list[int]] = {lane: [] for lane in range(schedule.total_lanes)}
     state = schedule.initial_state()
     while True:
         components, nxt = schedule.advance(state)
         if components is None:
             return sizes
-        sizes[state.global_chunk % src.num_lanes].append(len(components))
+        sizes[schedule.lane_of(state.global_chunk)[0]].append(len(components))
         state = nxt
 
 
@@ -155,7 +156,7 @@ def num_batches(pipeline: Pipeline, *, rank: int | None = None, world_size: int 
     from zephon_torch.topology import resolve_topology
 
     rank, world_size = resolve_topology(rank, world_size)
-    owned = owned_lanes(pipeline.source.num_lanes, rank, world_size, lanes)
+    owned = owned_lanes(lane_count(pipeline.source), rank, world_size, lanes)
     if unknown_reason(pipeline) is not None:
         return None
     sizes = lane_records(pipeline)

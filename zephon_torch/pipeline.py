@@ -46,9 +46,11 @@ from zephon_torch.ops.base import Operator
 from zephon_torch.ops.placement import with_placement
 from zephon_torch.pipeline_sources import SourceConfig
 from zephon_torch.planner import CompiledStage, compile_plan, flush_every, stage_names
+from zephon_torch.relane import change_lanes
 from zephon_torch.reweight import change_weights
 from zephon_torch.runners.options import RunOptions
 from zephon_torch.sources.formats.registry import on_register
+from zephon_torch.sources.lane_plan import lane_count
 from zephon_torch.topology import worker_lanes
 
 if TYPE_CHECKING:
@@ -181,6 +183,32 @@ class Pipeline:
                 weights are invalid.
         """
         return change_weights(self, weights, state=state)
+
+    def change_lanes(self, num_lanes: int, *, state: Mapping[str, Any]) -> Pipeline:
+        """This pipeline with ``num_lanes`` lanes from ``state``'s step on, to resume it
+        on more ranks than it has lanes.
+
+        The chunks the state has registered or replays keep their lanes; from
+        the first global chunk after them (the same for every world size) the
+        chunks go round ``num_lanes`` lanes: the old lanes carry on as they
+        were, the new ones start fresh. Resuming ``state`` on the result is a
+        run that grew its lanes at that step; its states carry the change
+        (calling this again on the original pipeline with a later state adds
+        nothing when ``num_lanes`` is already in force). Per-lane settings (a
+        shuffle's share of its buffer) stay those of the pipeline as built.
+        See ``zephon_torch/relane.py`` and docs/checkpoints.md, "What a resume
+        may change".
+
+        Example:
+            >>> wider = pipe.change_lanes(64, state=state)  # doctest: +SKIP
+            >>> it = wider.iter(rank=40, world_size=64); it.load_state_dict(state)  # doctest: +SKIP
+
+        Raises:
+            ValueError: ``state`` is not this pipeline's or not a whole state
+                (merge the ranks' states), its stream has ended, or
+                ``num_lanes`` is fewer than the state's lanes.
+        """
+        return change_lanes(self, num_lanes, state=state)
 
     def append_shards(self, *, state: Mapping[str, Any]) -> Pipeline:
         """This pipeline, over files that grew since ``state``, reading the new ones from
@@ -346,7 +374,7 @@ class Pipeline:
     def __iter__(self) -> Iterator[Any]:
         # Inside a torch DataLoader worker, take this worker's share of the lanes
         # (the check never imports torch; see topology.py).
-        share = worker_lanes(self._source.num_lanes)
+        share = worker_lanes(lane_count(self._source))
         if share is None:
             return self.iter()
         if not share:

@@ -36,6 +36,7 @@ from zephon_torch.ops.io import OnError
 from zephon_torch.sources import datasets as _datasets
 from zephon_torch.sources.base import Dataset
 from zephon_torch.sources.formats.registry import SourceFormat, format_named
+from zephon_torch.sources.lane_plan import LaneChange, check_lane_changes
 from zephon_torch.sources.mixing import check_weights
 from zephon_torch.sources.options import (
     SOURCE_OPTION_NAMES,
@@ -63,10 +64,14 @@ class SourceConfig(SourceOptions):
     Attributes:
         datasets: The datasets, each with its mixture component id.
         weights: Each dataset's share (``None``: proportional to sizes).
+        lane_changes: Where a resume grew the lanes
+            (``sources/lane_plan.py``, ``Pipeline.change_lanes``); empty
+            unless one did.
     """
 
     datasets: tuple[Dataset, ...]
     weights: tuple[float, ...] | None = None
+    lane_changes: tuple[LaneChange, ...] = ()
 
     def __post_init__(self) -> None:
         SourceOptions.__post_init__(self)  # (a slots dataclass has no zero-argument super())
@@ -79,6 +84,7 @@ class SourceConfig(SourceOptions):
                     "datasets; give one weight per source (or a mapping component -> weight)"
                 )
             check_weights(self.datasets, self.weights)
+        check_lane_changes(self.num_lanes, self.lane_changes)
 
 
 _ITEMS = defaults_of(_datasets.items)

@@ -37,6 +37,7 @@ from zephon_torch.sources.weight_plan import (
     WeightChange,
     change_point,
     changes_from_json,
+    next_before,
 )
 
 if TYPE_CHECKING:
@@ -89,13 +90,13 @@ def change_weights(pipeline: Pipeline, weights: Mapping[int, float] | Sequence[f
     if tuple(new) == held.current():
         return base  # already in force (a relaunch after the change): nothing to add
     epoch = state_epoch(state)
-    point = change_point(state, source.num_lanes, action=_ACTION)
+    point = change_point(state, int(state["num_lanes"]), action=_ACTION)
     changes = [c for c in held.changes if not (c.at_chunk == point and c.epoch == epoch)]
     trial = MixtureWeights(held, [*changes, WeightChange(point, new, (0,) * len(new), epoch)],
                            proportional=held.proportional)
     # Validates the new weights (finite, >= 0, a share only where there are samples).
     _epoch_schedule(pipeline.with_source(weights=trial), epoch)
-    lane_next = state["lanes"][str(point % source.num_lanes)]["next"]
+    lane_next = next_before(state, point)
     counts = counts_at(_epoch_schedule(base, epoch), ScheduleState.from_json(lane_next), point)
     change = WeightChange(point, tuple(new), counts, epoch)
     return pipeline.with_source(weights=MixtureWeights(held, [*changes, change],
@@ -139,7 +140,4 @@ def _with_saved_changes(pipeline: Pipeline, state: Mapping[str, Any]) -> Pipelin
 
 def _epoch_schedule(pipeline: Pipeline, epoch: int) -> WorkSchedule:
     src = epoch_pipeline(pipeline, epoch).source
-    return WorkSchedule(
-        src.datasets, chunk_size=src.chunk_size, num_lanes=src.num_lanes, seed=src.seed,
-        passes=src.passes, shuffle=src.shuffle, weights=src.weights, exhausted=src.exhausted,
-    )
+    return WorkSchedule.for_source(src)

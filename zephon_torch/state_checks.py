@@ -39,9 +39,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zephon_torch.epochs import state_epoch
+from zephon_torch.sources.lane_plan import (
+    LanePlan,
+    epoch_lane_changes,
+    lane_changes_from_json,
+    total_lanes,
+)
 from zephon_torch.sources.schedule import ScheduleState, WorkSchedule
 from zephon_torch.sources.shard_growth import growth_from_json, growth_of
-from zephon_torch.sources.weight_plan import change_point, changes_from_json
+from zephon_torch.sources.weight_plan import change_point, changes_from_json, next_before
 
 __all__ = [
     "LANE_KEYS",
@@ -220,19 +226,23 @@ def check_against_schedule(state: Mapping[str, Any], schedule: WorkSchedule, *,
         state: The state, after :func:`check_fields`.
         schedule: The work schedule of the state's epoch.
         flush_every: The pipeline's flush-sentinel period K (0: none).
-        lanes: The lanes that will resume from the state: their cursor is
-            also checked against the sample the schedule puts there (the
-            other lanes are checked where they resume).
+        lanes: The lanes that will resume from the state: their entries are
+            checked, their cursor against the sample the schedule puts there
+            (the other lanes are checked where they resume, so a rank's
+            checks cost its share of the lanes, not all of them).
 
     Raises:
         ValueError: Naming the lane, the field, its value and what is allowed.
     """
     check_weight_changes(state, schedule)
     check_shard_growth(state, schedule)
+    check_lane_growth(state, schedule)
     try:
-        for key, entry in state["lanes"].items():
-            lane = int(key)
-            _LaneCheck(schedule, flush_every, lane, entry).run(sample=lane in lanes)
+        entries = state["lanes"]
+        for lane in lanes:  # each rank checks the lanes it resumes: work as its share
+            entry = entries.get(str(lane))
+            if entry is not None:
+                _LaneCheck(schedule, flush_every, lane, entry).run(sample=True)
     except _Refused as exc:
         raise ValueError(str(exc)) from None
 
@@ -252,9 +262,8 @@ def check_weight_changes(state: Mapping[str, Any], schedule: WorkSchedule) -> No
     new = [(c.at_chunk, c.counts) for c in schedule.weight_changes if c not in saved]
     if not new:
         return
-    num_lanes = schedule.num_lanes
-    point = change_point(state, num_lanes, action="resuming under new mixture weights")
-    lanes = state["lanes"]
+    point = change_point(state, int(state["num_lanes"]),
+                         action="resuming under new mixture weights")
     for at, counts in new:
         if at < point:
             raise ValueError(
@@ -264,7 +273,9 @@ def check_weight_changes(state: Mapping[str, Any], schedule: WorkSchedule) -> No
                 "make the change from this state, pipe.change_weights(new_weights, "
                 "state=state) on the pipeline the state was saved by"
             )
-        state_there = ScheduleState.from_json(lanes[str(at % num_lanes)]["next"])
+        before = next_before(state, at)
+        state_there = ScheduleState.from_json(before if before is not None else
+                                              schedule.initial_state().to_json())
         while state_there.global_chunk < at:
             components, state_there = schedule.advance(state_there)
             if components is None:
@@ -275,6 +286,38 @@ def check_weight_changes(state: Mapping[str, Any], schedule: WorkSchedule) -> No
                 f"{list(counts)}, but the schedule before it reaches "
                 f"{list(state_there.counts)} there: the change was made for another run or "
                 "configuration; make it from this state with pipe.change_weights(new_weights, "
+                "state=state) on the pipeline the state was saved by"
+            )
+
+
+def check_lane_growth(state: Mapping[str, Any], schedule: WorkSchedule) -> None:
+    """Refuse lanes that grow where ``state`` has fixed positions under the lanes before.
+
+    The lane changes of ``schedule`` (``sources/lane_plan.py``) that the state's
+    ``lane_changes`` part does not hold are new: each must start at or after
+    every ``next`` chunk of the lanes the state was saved with (a later state
+    of the run went on under the old dealing past the point).
+
+    Raises:
+        ValueError: Naming the change, the state's point and what to do.
+    """
+    saved = epoch_lane_changes(lane_changes_from_json(state["fingerprint"].get("lane_changes")),
+                               state_epoch(state))  # as the state's epoch ran them
+    new = [c for c in schedule.lane_changes if c not in saved]
+    if not new:
+        return
+    old = total_lanes(schedule.num_lanes, saved)
+    lanes = state["lanes"]
+    reached = [int(lanes[str(lane)]["next"][0]) for lane in range(old)
+               if str(lane) in lanes and lanes[str(lane)].get("next") is not None]
+    point = max(reached, default=0)
+    for change in new:
+        if change.at_chunk < point:
+            raise ValueError(
+                f"the pipeline's lanes grow to {change.num_lanes} at global chunk "
+                f"{change.at_chunk}, but the state goes on to chunk {point} with "
+                f"{old} lanes (a later state of the run than the one the change was made "
+                "from): make the change from this state, pipe.change_lanes(num_lanes, "
                 "state=state) on the pipeline the state was saved by"
             )
 
@@ -304,9 +347,9 @@ def check_shard_growth(state: Mapping[str, Any], schedule: WorkSchedule) -> None
                     "files it was saved with, or make the growth from this state, "
                     "pipe.append_shards(state=state)"
                 )
-            num_lanes = schedule.num_lanes
-            point = change_point(state, num_lanes, action="resuming with appended shards")
-            reached = int(state["lanes"][str(point % num_lanes)]["next"][1 + d])
+            point = change_point(state, int(state["num_lanes"]),
+                                 action="resuming with appended shards")
+            reached = int(next_before(state, point)[1 + d])  # type: ignore[index]
             assert stream.segments is not None
             joins = stream.segments[i + 1][1]
             if joins < reached:
@@ -320,6 +363,12 @@ def check_shard_growth(state: Mapping[str, Any], schedule: WorkSchedule) -> None
                 )
 
 
+def _grown(plan: LanePlan) -> str:
+    """How the lanes grew, for messages (empty when they did not)."""
+    grown = [f"{count} from global chunk {at}" for at, count in plan.regimes[1:]]
+    return f", grown to {', '.join(grown)}" if grown else ""
+
+
 class _LaneCheck:
     """One lane entry against the schedule (see the module doc)."""
 
@@ -330,7 +379,7 @@ class _LaneCheck:
         self.lane = lane
         self.entry = entry
         self.where = f"lane {lane}: "
-        self.num_lanes = schedule.num_lanes
+        self.plan = schedule.lanes
 
     def epoch_of(self, chunk: int) -> int:
         return chunk // self.k if self.k else chunk
@@ -374,15 +423,15 @@ class _LaneCheck:
             raise _refuse(where, field, [chunk, *value] if chunk is not None else value,
                           f"with {len(counts)} dataset count(s) where the pipeline has "
                           f"{schedule.component_count} dataset(s)")
-        if g % self.num_lanes != self.lane:
+        owner, its_chunk = self.plan.lane_of(g)
+        if owner != self.lane:
             raise _refuse(where, f"{field} global chunk", g, f"a chunk of lane "
-                          f"{g % self.num_lanes}, not of lane {self.lane} (lane {self.lane}'s "
-                          f"chunks are {self.lane}, {self.lane + self.num_lanes}, "
-                          f"{self.lane + 2 * self.num_lanes}, ... with num_lanes="
-                          f"{self.num_lanes})")
-        if chunk is not None and g != chunk * self.num_lanes + self.lane:
+                          f"{owner}, not of lane {self.lane} (lane {self.lane}'s "
+                          f"chunks are {self.plan.describe(self.lane)} with num_lanes="
+                          f"{self.plan.num_lanes}{_grown(self.plan)})")
+        if chunk is not None and chunk != its_chunk:
             raise _refuse(where, f"{field} chunk", chunk, f"not the lane's chunk of global "
-                          f"chunk {g} (that is chunk {g // self.num_lanes})")
+                          f"chunk {g} (that is chunk {its_chunk})")
         problem = _counts_problem(schedule, g, counts)
         if problem:
             raise _refuse(where, field, [chunk, *value] if chunk is not None else value,
@@ -413,12 +462,12 @@ class _LaneCheck:
 
     def check_next(self, g: int, chunks: list[int]) -> None:
         where, k = self.where, self.k
-        chunk = g // self.num_lanes
+        chunk = self.plan.lane_of(g)[1]
         if chunks and chunk != chunks[-1] + 1:
             raise _refuse(where, "'next' global chunk", g, f"lane chunk {chunk}, but the "
                           f"window ends at chunk {chunks[-1]}: the next chunk is "
                           f"{chunks[-1] + 1} (global chunk "
-                          f"{(chunks[-1] + 1) * self.num_lanes + self.lane})")
+                          f"{self.plan.global_chunk(self.lane, chunks[-1] + 1)})")
         if not chunks and k and chunk % k:
             raise _refuse(where, "'next' global chunk", g, f"lane chunk {chunk}, inside the "
                           f"lane's epoch {chunk // k} with no window: without one, a lane "

@@ -66,8 +66,10 @@ def owned_lanes(num_lanes: int, rank: int, world_size: int,
     if world_size > num_lanes:
         raise ValueError(
             f"world_size {world_size} exceeds num_lanes {num_lanes}: every rank needs at "
-            f"least one lane; build the pipeline with num_lanes >= {world_size} (num_lanes is "
-            "fixed for the life of a training run and bounds how far it can scale)"
+            f"least one lane. A new run: build the pipeline with num_lanes >= {world_size}; "
+            f"resuming a state on more ranks: grow its lanes from the state's step on, "
+            f"pipe.change_lanes({world_size}, state=state) on the pipeline the state was "
+            "saved by (see docs/elastic-determinism.md)"
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")

@@ -58,11 +58,7 @@ _TOKEN_PRODUCERS = frozenset({"tokenize", "tokenize_chat", "pack_flat", "pack_se
 
 def make_schedule(source: Any) -> WorkSchedule:
     """The work schedule of a pipeline's source config (every rank computes the same one)."""
-    return WorkSchedule(
-        source.datasets, chunk_size=source.chunk_size, num_lanes=source.num_lanes,
-        seed=source.seed, passes=source.passes, shuffle=source.shuffle, weights=source.weights,
-        exhausted=source.exhausted,
-    )
+    return WorkSchedule.for_source(source)
 
 
 def stage_contexts(source: Any, schedule: WorkSchedule, compiled: Sequence[Any], *,

@@ -51,6 +51,7 @@ from zephon_torch.runners.options import ITER_KWARGS, RUNNERS, RunOptions
 from zephon_torch.runners.registry import runner_spec
 from zephon_torch.runners.report import Report
 from zephon_torch.sources.base import thread_bytes_read
+from zephon_torch.sources.lane_plan import lane_count
 from zephon_torch.sources.schedule import Chunk
 from zephon_torch.throughput import Throughput
 from zephon_torch.topology import owned_lanes, resolve_topology
@@ -131,7 +132,7 @@ class PipelineIterator(Handover, Report):
         self._microbatch_sizes = options.microbatch_sizes
         src = pipeline.source
         self.rank, self.world_size = resolve_topology(options.rank, options.world_size)
-        self.lanes = owned_lanes(src.num_lanes, self.rank, self.world_size, options.lanes)
+        self.lanes = owned_lanes(lane_count(src), self.rank, self.world_size, options.lanes)
         self._closed = False
         # Where the work runs: the executor the runner's description names (registry.py).
         self.executor: Executor = make_executor(
@@ -203,7 +204,7 @@ class PipelineIterator(Handover, Report):
         plan = None
         if state is not None:
             plan = resume.plan_resume(
-                state, lanes=self.lanes, num_lanes=self.pipeline.source.num_lanes,
+                state, lanes=self.lanes, plan=self.schedule.lanes,
                 accounting=self.accounting, replay_targets=targets)
             self._pace = Throughput(self.accounting, logs.THROUGHPUT_INTERVAL)  # from here
             self._rr = plan.round_robin
@@ -400,10 +401,10 @@ class PipelineIterator(Handover, Report):
             self._settle_all()
             lanes = resume.lane_entries(
                 self.accounting, self.lanes, self._loaded, self._replaying(), self.emitter,
-                self.pipeline.source.num_lanes)
+                self.schedule.lanes)
             round_robin = {"lanes": list(self.lanes), "index": self._rr}
         return resume.make_state(deterministic=True, parts=self._parts(),
-                                 num_lanes=self.pipeline.source.num_lanes, lanes=lanes,
+                                 num_lanes=lane_count(self.pipeline.source), lanes=lanes,
                                  round_robin=round_robin, epoch=self.epoch)
 
     def state_for_snapshot(self) -> dict[str, Any]:
@@ -429,7 +430,7 @@ class PipelineIterator(Handover, Report):
                 RuntimeWarning, stacklevel=2,
             )
         return resume.make_state(deterministic=False, parts=self._parts(),
-                                 num_lanes=self.pipeline.source.num_lanes, lanes={},
+                                 num_lanes=lane_count(self.pipeline.source), lanes={},
                                  round_robin=None, epoch=self.epoch)
 
     def _parts(self) -> dict[str, str]:
@@ -453,8 +454,8 @@ class PipelineIterator(Handover, Report):
                     "with pipe.iter(...) and load the state into it"
                 )
             state = resume.checked_state(
-                state, fingerprint=self._fingerprint, stage_names=self._stage_names,
-                deterministic=self.deterministic, num_lanes=self.pipeline.source.num_lanes,
+                state, pipeline=self.pipeline, fingerprint=self._fingerprint,
+                stage_names=self._stage_names, deterministic=self.deterministic,
                 lanes=self.lanes)
             epoch, previous = check_state_epoch(state, self._epoch_asked), self.epoch
             resume.check_resumable(state, self.pipeline, epoch=epoch, lanes=self.lanes,

@@ -192,7 +192,7 @@ class _WorkerRun:
         plan = None
         if job.state is not None:
             # These books only place the replay; the main process keeps the real ones.
-            plan = resume.plan_resume(job.state, lanes=lanes, num_lanes=source.num_lanes,
+            plan = resume.plan_resume(job.state, lanes=lanes, plan=schedule.lanes,
                                       accounting=Accounting(lanes, flush_every),
                                       replay_targets=targets)
         self.events: list[tuple[str, Any]] = []

@@ -11,6 +11,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from zephon_torch.logs import log_skips
+from zephon_torch.sources.lane_plan import lane_count
 
 if TYPE_CHECKING:
     import contextlib
@@ -93,7 +94,7 @@ class Report:
             "num_workers": self.num_workers,
             "rank": self.rank,
             "world_size": self.world_size,
-            "num_lanes": self.pipeline.source.num_lanes,
+            "num_lanes": lane_count(self.pipeline.source),
             "owned_lanes": list(self.lanes),
             "outputs": sum(book.outputs for book in self.accounting.lanes.values()),
             "finished": len(self._ended) == len(self.lanes),

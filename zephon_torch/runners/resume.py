@@ -36,14 +36,21 @@ from zephon_torch.checkpoint import (
     lane_state,
     state_checksum,
 )
-from zephon_torch.epochs import epoch_pipeline
+from zephon_torch.epochs import epoch_pipeline, state_epoch
 from zephon_torch.resume_changes import EARLIER_KEY, plan_earlier
 from zephon_torch.runners.assembly import make_schedule
+from zephon_torch.sources.lane_plan import (
+    LanePlan,
+    lane_changes_from_json,
+    lane_count,
+    total_lanes,
+)
 from zephon_torch.sources.schedule import Chunk, ScheduleState, WorkSchedule
+from zephon_torch.sources.weight_plan import next_before
 from zephon_torch.state_checks import check_against_schedule
 
 __all__ = ["ResumePlan", "ScheduleView", "check_resumable", "checked_state", "lane_entries",
-           "make_state", "narrow_state", "plan_resume"]
+           "make_state", "narrow_state", "plan_resume", "with_grown_lanes"]
 
 
 class EmitterView(Protocol):
@@ -60,7 +67,7 @@ class EmitterView(Protocol):
 
 def lane_entries(accounting: Accounting, lanes: Sequence[int], loaded: Mapping[str, Any],
                  replaying: set[int], emitter: EmitterView,
-                 num_lanes: int) -> dict[str, dict[str, Any]]:
+                 plan: LanePlan) -> dict[str, dict[str, Any]]:
     """Each lane's entry of a state, after the last item handed to the caller.
 
     A lane still replaying has delivered nothing new, so its position is the
@@ -83,7 +90,7 @@ def lane_entries(accounting: Accounting, lanes: Sequence[int], loaded: Mapping[s
 
     return {
         str(lane): (dict(saved[str(lane)]) if lane in replaying else
-                    lane_state(accounting.lanes[lane], next_state, num_lanes,
+                    lane_state(accounting.lanes[lane], next_state, plan,
                                earlier=saved.get(str(lane), {}).get(EARLIER_KEY)))
         for lane in lanes
     }
@@ -106,9 +113,11 @@ def make_state(*, deterministic: bool, parts: dict[str, Any], num_lanes: int,
     return state
 
 
-def checked_state(state: Any, *, fingerprint: Mapping[str, Any], stage_names: Sequence[str],
-                  deterministic: bool, num_lanes: int, lanes: Sequence[int]) -> dict[str, Any]:
-    """``state`` validated for an iterator over ``lanes`` (see ``check_state``).
+def checked_state(state: Any, *, pipeline: Any, fingerprint: Mapping[str, Any],
+                  stage_names: Sequence[str], deterministic: bool,
+                  lanes: Sequence[int]) -> dict[str, Any]:
+    """``state`` validated for an iterator over ``lanes`` (see ``check_state``), with
+    entries for the lanes ``pipeline`` grew since (:func:`with_grown_lanes`).
 
     Raises:
         ValueError: The state is corrupted, from another configuration or
@@ -117,10 +126,56 @@ def checked_state(state: Any, *, fingerprint: Mapping[str, Any], stage_names: Se
     """
     state = check_state(state, fingerprint, stage_names=stage_names,
                         deterministic=deterministic)
-    if state["num_lanes"] != num_lanes:
-        raise ValueError(f"the state has {state['num_lanes']} lanes, this pipeline {num_lanes}")
+    state = with_grown_lanes(state, pipeline)
     check_lanes_present(state, lanes)
     return state
+
+
+def with_grown_lanes(state: dict[str, Any], pipeline: Any) -> dict[str, Any]:
+    """``state`` (checked against ``pipeline``) with an entry for each lane ``pipeline``
+    grew after it was saved (``Pipeline.change_lanes``, ``sources/lane_plan.py``).
+
+    A new lane starts fresh at its first chunk, as every lane does at the start
+    of a run: no window, nothing delivered, its ``next`` the schedule state
+    there. A state that has every lane already is returned as it is.
+
+    Raises:
+        ValueError: The state's lane count is neither the pipeline's nor the one
+            its own lane changes give.
+    """
+    source = pipeline.source
+    total = lane_count(source)
+    have = state["num_lanes"]
+    if have == total:
+        return state
+    saved = lane_changes_from_json(state["fingerprint"].get("lane_changes"))
+    if have != total_lanes(source.num_lanes, saved) or have > total:
+        raise ValueError(f"the state has {have} lanes, this pipeline {total}")
+    schedule = make_schedule(epoch_pipeline(pipeline, state_epoch(state)).source)
+    plan = schedule.lanes
+    firsts = {plan.first_chunk(lane): lane for lane in range(have, min(total, plan.total))}
+    entries: dict[str, Any] = {str(lane): _fresh_entry(None) for lane in range(have, total)}
+    if firsts:
+        begin = next_before(state, min(firsts))
+        at: ScheduleState | None = (ScheduleState.from_json(begin) if begin is not None
+                                    else schedule.initial_state())
+        for g in sorted(firsts):
+            at = schedule.jump(at, g)  # type: ignore[arg-type]
+            if at is None or schedule.jump(at, g + 1) is None:
+                break  # the stream ends first: those lanes never get a chunk
+            entries[str(firsts[g])] = _fresh_entry(at.to_json())
+    grown = {k: v for k, v in state.items() if k != "checksum"}
+    grown["lanes"] = {**state["lanes"], **entries}
+    grown["num_lanes"] = total
+    grown["round_robin"] = None  # another set of lanes: loading picks the least served
+    grown["checksum"] = state_checksum(grown)
+    return grown
+
+
+def _fresh_entry(nxt: list[int] | None) -> dict[str, Any]:
+    """A lane's entry before its first chunk (``nxt``: the schedule state there)."""
+    return {"window": [], "epoch_boundaries": [], "replay_cursor": None, "replay_count": 0,
+            "next": nxt, "outputs": 0}
 
 
 def check_lanes_present(state: Mapping[str, Any], lanes: Sequence[int]) -> None:
@@ -170,7 +225,7 @@ class ResumePlan(NamedTuple):
     earlier: dict[int, dict[int, list[tuple[int, dict[str, Any]]]]]
 
 
-def plan_resume(state: Mapping[str, Any], *, lanes: Sequence[int], num_lanes: int,
+def plan_resume(state: Mapping[str, Any], *, lanes: Sequence[int], plan: LanePlan,
                 accounting: Accounting,
                 replay_targets: dict[int, tuple[tuple, int, int]]) -> ResumePlan:
     """Set each lane's progress and replay target from ``state``; the run's start.
@@ -188,7 +243,7 @@ def plan_resume(state: Mapping[str, Any], *, lanes: Sequence[int], num_lanes: in
         replay.extend(window)
         first_chunk = (int(entry["window"][0][0]) if entry["window"] else
                        None if entry["next"] is None else
-                       int(entry["next"][0]) // num_lanes)
+                       plan.lane_of(int(entry["next"][0]))[1])
         # Epochs before the window are done.
         accounting.lanes[lane].resume_at(first_chunk, int(entry["outputs"]),
                                          exhausted=entry["next"] is None)
@@ -259,7 +314,7 @@ class ScheduleView:
     def __init__(self, schedule: WorkSchedule, start: ScheduleState | None,
                  replay: Sequence[ScheduleState] = (), *, ended: bool = False) -> None:
         self.schedule = schedule
-        self.num_lanes = schedule.num_lanes
+        self.num_lanes = schedule.total_lanes
         self.finished = ended
         self._start = start if start is not None else schedule.initial_state()
         self._latest: dict[int, ScheduleState] = {}  # per lane: its last registered chunk

@@ -110,6 +110,18 @@ class SourceEmitter:
         self.replayed_by_lane: dict[int, int] = {}
         self.finished = False
         self._steps = np.arange(0, dtype=np.int64)
+        # A consumer with few of many lanes (a rank of a large world) jumps over the
+        # chunks of the others rather than stepping through each.
+        self._few = 4 * len(self.lanes) <= schedule.total_lanes and len(self.lanes) <= 64
+
+    def _next_owned(self, global_chunk: int) -> int:
+        """The first global chunk at or after ``global_chunk`` that an owned lane still needs
+        (-1: none)."""
+        plan = self.schedule.lanes
+        found = [plan.next_chunk(lane, max(global_chunk, self.lane_next.get(lane, 0)))
+                 for lane in self.lanes]
+        found = [g for g in found if g >= 0]
+        return min(found) if found else -1
 
     def __iter__(self) -> Iterator[list[Any]]:
         return self
@@ -130,6 +142,14 @@ class SourceEmitter:
             lane_id, _ = schedule.lane_of(self.state.global_chunk)
             if lane_id in lanes and self.state.global_chunk >= self.lane_next.get(lane_id, 0):
                 chunk, nxt = schedule.chunk(self.state)
+            elif self._few:  # far between: straight to the next chunk of an owned lane
+                target = self._next_owned(self.state.global_chunk)
+                jumped = schedule.jump(self.state, target) if target >= 0 else None
+                if jumped is None:
+                    self.finished = True
+                    raise StopIteration
+                self.state = jumped
+                continue
             else:
                 chunk, (components, nxt) = None, schedule.advance(self.state)
                 if components is not None:

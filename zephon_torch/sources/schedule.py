@@ -43,6 +43,9 @@ as its lane-local ``chunk_id = g // num_lanes``::
     lane            0   1   2   0   1   2   0   1
     chunk_id        0   0   0   1   1   1   2   2
 
+A run may grow its lanes from a global chunk on (``lane_plan.py``); the
+dealing before that chunk is the one above.
+
 **The end.** A single dataset ends after its passes (``None``: never). A
 mixture with ``exhausted="repeat"`` ends once every dataset has finished its
 passes (the early finishers repeat, reshuffled); with ``"stop"`` it ends when
@@ -64,6 +67,7 @@ from typing import Any
 import numpy as np
 
 from zephon_torch.sources.base import Dataset, Shard
+from zephon_torch.sources.lane_plan import LaneChange, LanePlan
 from zephon_torch.sources.mixing import check_shares, check_weights, length_warning, stream_length
 from zephon_torch.sources.permute import permute, seed_key
 from zephon_torch.sources.shard_growth import growth_of, segments
@@ -350,6 +354,8 @@ class WorkSchedule:
         weights: Share of each dataset in the stream (``None``: proportional
             to their sizes). Normalised here.
         exhausted: ``"repeat"`` or ``"stop"`` (see the module doc).
+        lane_changes: Where the lanes grew (``lane_plan.py``), as the epoch at
+            hand runs them; empty for most pipelines.
 
     Raises:
         ValueError: A weight that is not a finite number >= 0, a positive
@@ -368,11 +374,16 @@ class WorkSchedule:
         shuffle: bool = True,
         weights: Sequence[float] | None = None,
         exhausted: str = "repeat",
+        lane_changes: Sequence[LaneChange] = (),
     ) -> None:
         if exhausted not in ("repeat", "stop"):
             raise ValueError(f"exhausted must be 'repeat' or 'stop', got {exhausted!r}")
         self.chunk_size = chunk_size
         self.num_lanes = num_lanes
+        #: How chunks are dealt to lanes (``lane_plan.py``) and the lanes in all.
+        self.lanes = LanePlan(num_lanes, lane_changes)
+        self.lane_changes = tuple(lane_changes)
+        self.total_lanes = self.lanes.total
         self.streams = [_DatasetStream(i, d, seed, shuffle) for i, d in enumerate(datasets)]
         self.limits: list[float] = []
         for dataset, stream in zip(datasets, self.streams):
@@ -404,6 +415,14 @@ class WorkSchedule:
         #: than its data), or None; a stream beyond ``MAX_POSITIONS`` is refused here.
         self.length_warning = length_warning(datasets, current, self.limits, exhausted)
 
+    @classmethod
+    def for_source(cls, source: Any) -> WorkSchedule:
+        """The schedule of a pipeline's source config (every rank computes the same one)."""
+        return cls(source.datasets, chunk_size=source.chunk_size, num_lanes=source.num_lanes,
+                   seed=source.seed, passes=source.passes, shuffle=source.shuffle,
+                   weights=source.weights, exhausted=source.exhausted,
+                   lane_changes=getattr(source, "lane_changes", ()))
+
     @property
     def component_count(self) -> int:
         """Number of datasets."""
@@ -415,7 +434,7 @@ class WorkSchedule:
 
     def lane_of(self, global_chunk: int) -> tuple[int, int]:
         """``(lane_id, chunk_id)`` of a global chunk."""
-        return global_chunk % self.num_lanes, global_chunk // self.num_lanes
+        return self.lanes.lane_of(global_chunk)
 
     def advance(self, state: ScheduleState) -> tuple[np.ndarray | None, ScheduleState]:
         """The dataset of each pointer of the chunk at ``state``, and the next state.
@@ -427,6 +446,25 @@ class WorkSchedule:
         if self._mixture:
             return self._advance_mixture(state)
         return self._advance_single(state)
+
+    def jump(self, state: ScheduleState, global_chunk: int) -> ScheduleState | None:
+        """The state at ``global_chunk`` (at or after ``state``'s), or None when the stream
+        ends before it: computed at once for a single dataset's whole chunks, walked
+        chunk by chunk otherwise (a mixture's round-robin has no shortcut)."""
+        k = global_chunk - state.global_chunk
+        if k > 0 and not self._mixture and not self.changes and self._active:
+            d = self._active[0]
+            total = state.counts[d] + k * self.chunk_size
+            if total <= self.limits[d]:  # every chunk before it whole: no end in between
+                counts = list(state.counts)
+                counts[d] = total
+                return ScheduleState(global_chunk, tuple(counts))
+        at: ScheduleState | None = state
+        while at is not None and at.global_chunk < global_chunk:
+            components, at = self.advance(at)
+            if components is None:
+                return None
+        return at
 
     def regime(self, global_chunk: int) -> tuple[int, tuple[int, ...], list[float], list[int]]:
         """``(positions, counts, weights, active)`` the deficits at ``global_chunk``

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["MixtureWeights", "WeightChange", "change_point", "changes_from_json",
-           "changes_to_json", "epoch_weights"]
+           "changes_to_json", "epoch_weights", "next_before"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,3 +177,19 @@ def change_point(state: Mapping[str, Any], num_lanes: int, *, action: str) -> in
             "the state was saved by, or start a new run"
         )
     return max(int(lanes[str(lane)]["next"][0]) for lane in range(num_lanes))
+
+
+def next_before(state: Mapping[str, Any], global_chunk: int) -> list[int] | None:
+    """The latest ``next`` schedule state of ``state``'s lanes at or before ``global_chunk``
+    (as JSON), to walk the schedule from to it; None if every lane's is later.
+
+    At a change point (:func:`change_point`) it is the ``next`` of the lane whose
+    next chunk the point is, whatever the dealing of chunks to lanes.
+    """
+    best: list[int] | None = None
+    for entry in (state.get("lanes") or {}).values():
+        nxt = entry.get("next") if isinstance(entry, Mapping) else None
+        if nxt is not None and int(nxt[0]) <= global_chunk and (
+                best is None or int(nxt[0]) > int(best[0])):
+            best = list(nxt)
+    return best

@@ -26,7 +26,13 @@ from typing import Any, TypeVar
 from zephon_torch._lightning_compat import FitView, fit_loop_view
 from zephon_torch.checkpoint import check_state, merge_states, refuse_nondeterministic
 from zephon_torch.epochs import state_epoch
-from zephon_torch.runners.resume import check_lanes_present, check_resumable, narrow_state
+from zephon_torch.runners.resume import (
+    check_lanes_present,
+    check_resumable,
+    narrow_state,
+    with_grown_lanes,
+)
+from zephon_torch.sources.lane_plan import lane_count
 from zephon_torch.topology import owned_lanes, resolve_topology
 from zephon_torch.torch._loader_dist import gather as gather_states
 from zephon_torch.torch._loader_dist import stopped_state
@@ -130,7 +136,7 @@ def _state_before(self, held: int, *, epoch_over: bool = False) -> dict[str, Any
 @_loader_method
 def _own_lanes(self) -> list[int]:
     rank, world_size = resolve_topology(self.rank, self.world_size)
-    return owned_lanes(self.pipeline.source.num_lanes, rank, world_size,
+    return owned_lanes(lane_count(self.pipeline.source), rank, world_size,
                        self.iter_kwargs.get("lanes"))
 
 
@@ -164,9 +170,7 @@ def load_state_dict(self, state: Mapping[str, Any]) -> None:
     """
     checked = check_state(state, self._fingerprint, stage_names=self.pipeline.stage_names(),
                           deterministic=self.checkpointable)
-    if checked["num_lanes"] != self.pipeline.source.num_lanes:
-        raise ValueError(f"the state has {checked['num_lanes']} lanes, this pipeline "
-                         f"{self.pipeline.source.num_lanes}")
+    checked = with_grown_lanes(checked, self.pipeline)  # lanes change_lanes added
     # Another rank's state is refused even when its epoch had ended: taking it as
     # finished would skip what is left of this rank's lanes in that epoch.
     check_lanes_present(checked, self._own_lanes())

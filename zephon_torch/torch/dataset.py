@@ -67,6 +67,7 @@ from zephon_torch.checkpoint import merge_states
 from zephon_torch.epochs import check_epoch
 from zephon_torch.pipeline import Pipeline
 from zephon_torch.runners.options import ITER_KWARGS
+from zephon_torch.sources.lane_plan import lane_count
 from zephon_torch.topology import owned_lanes, resolve_topology, worker_lanes
 
 if TYPE_CHECKING:
@@ -254,7 +255,7 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         if self._epoch is not None:
             kwargs["epoch"] = self._epoch
         explicit = kwargs.pop("lanes", None)
-        num_lanes = self.pipeline.source.num_lanes
+        num_lanes = lane_count(self.pipeline.source)
         share = worker_lanes(num_lanes, kwargs.get("rank"), kwargs.get("world_size"), explicit)
         if share is not None:
             kwargs.setdefault("runner", "inline")

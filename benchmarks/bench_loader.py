@@ -47,6 +47,11 @@ over several rounds (median reported):
    warm (after the first ``--warm`` steps) the mean time ``next()`` blocks,
    as % of the step time (target < 1%).
 
+``--base TREE`` adds ``zephon-base``: the same zephon contender run from
+another checkout of the package (``TREE`` holds its ``zephon_torch``; for
+example a worktree of the commit before a change), so that a change is
+measured before and after in one run, round-robin with the others.
+
 ``--shuffle ROWS`` adds a shuffle buffer of ``ROWS`` packed rows in all to
 both loaders (zephon: ``.shuffle(ROWS)`` after packing; torch: ``ROWS /
 num_workers`` rows in each worker), for the time to the first batch with a
@@ -269,6 +274,7 @@ def make_loader(name: str, files: list[str], tokenizer_path: str, workers: int,
     import zephon_torch as zt
     from zephon_torch.torch.loader import DataLoader
 
+    # zephon-base: the same contender, from the checkout on PYTHONPATH (see child()).
     runner = "process" if name == "zephon-process" else None
     source = {"num_lanes": lanes or max(1, workers), "chunk_size": CHUNK_LINES,
               "shuffle": False}
@@ -362,8 +368,11 @@ def child(name: str, workers: int, measure: str, files: list[Path], tokenizer: P
            "--job", args.job, "--shuffle", str(args.shuffle)]
     if args.lanes:
         cmd += ["--lanes", str(args.lanes)]
-    out = subprocess.run(cmd, capture_output=True, text=True,
-                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if name == "zephon-base":  # the package of the other checkout, first on the path
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(Path(args.base).resolve()), env.get("PYTHONPATH")) if p)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{name} {measure} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -385,6 +394,9 @@ def main() -> None:
                         ".shuffle(n) after packing; torch: n / num_workers rows per worker)")
     parser.add_argument("--runners", default="lanes",
                         help="zephon's runners: lanes (the default) and/or process")
+    parser.add_argument("--base", default=None,
+                        help="also run zephon from this checkout (its zephon_torch), as "
+                        "zephon-base: a change before and after in one run")
     parser.add_argument("--workers", default="0,2",
                         help="comma-separated num_workers values, the same for both loaders")
     parser.add_argument("--rounds", type=int, default=3)
@@ -404,6 +416,11 @@ def main() -> None:
     torch_names = ("torch",) if args.job == "text" else ("torch", "torch-np")
     extra = [r for r in str(args.runners).split(",") if r != "lanes"]
     zephons = ("zephon", *(f"zephon-{r}" for r in extra))  # lane workers, always
+    if args.base:
+        if not (Path(args.base) / "zephon_torch" / "__init__.py").is_file():
+            raise SystemExit(f"--base {args.base!r} holds no zephon_torch package: give the "
+                             "root of a checkout of this repository")
+        zephons = (*zephons, "zephon-base")
     names = (*zephons, *torch_names)
     contenders = [(name, w) for w in counts for name in names]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in contenders}
@@ -437,6 +454,10 @@ def main() -> None:
           f"{best_torch[1]}: {rate[('zephon', best_zephon)] / rate[best_torch]:.2f}x")
     if 0 in counts and 2 in counts:
         print(f"zephon at 2 workers / at 0: {rate[('zephon', 2)] / rate[('zephon', 0)]:.2f}x")
+    if "zephon-base" in zephons:
+        for w in counts:
+            print(f"num_workers={w}: zephon/zephon-base "
+                  f"{rate[('zephon', w)] / rate[('zephon-base', w)]:.2f}x")
     if "zephon-process" in zephons:
         for w in counts:
             print(f"num_workers={w}: lanes/process "

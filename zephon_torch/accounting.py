@@ -122,12 +122,16 @@ class Accounting:
         self.bad: list[tuple[str, tuple[int, int, int], str | None]] = []
         self.bad_counts: dict[str, int] = {}
         self.bad_total = 0
+        #: Lanes whose progress an event has touched since a reader last cleared this
+        #: (``runners/snapshots.py``: a lane not in it still has the entry it had).
+        self.changed: set[int] = set(self.lanes)
 
     # ------------------------------------------------------------------ events
 
     def register(self, chunk: Chunk) -> None:
         """A chunk emitted: its samples are read, and the lane's progress knows it."""
         lane = self.lanes[chunk.lane_id]
+        self.changed.add(chunk.lane_id)
         lane.register(chunk)
         lane.sample_bytes += self.sample_bytes(chunk)
         if self.samples is not None:
@@ -159,6 +163,7 @@ class Accounting:
         number of items handed over (default: one per record; one for a batch).
         """
         lane = self.lanes[lane_id]
+        self.changed.add(lane_id)
         lane.samples_delivered += len(items)
         k = self.flush_every
         counts = lane.delivered_in_epoch
@@ -198,6 +203,7 @@ class Accounting:
         if n <= 0:
             return
         lane = self.lanes[lane_id]
+        self.changed.add(lane_id)
         lane.samples_delivered += n
         k = self.flush_every
         counts = lane.delivered_in_epoch
@@ -276,6 +282,7 @@ class Accounting:
             self.delivered_plain(lane_id, records, outputs=1)
             return
         lane = self.lanes[lane_id]
+        self.changed.add(lane_id)
         for record in records:
             lane.samples_delivered += self._close_record(record)
             lane.delivered(record, count_output=False)
@@ -283,6 +290,7 @@ class Accounting:
 
     def tombstone(self, lane_id: int, record: SampleRecord) -> None:
         """A tombstone reached the consumer: it closes what its record would have."""
+        self.changed.add(lane_id)
         closes = self._close_record(record)
         tags = record.meta.tags
         reason = tags.get(TOMBSTONE_REASON_TAG, "unknown")
@@ -292,6 +300,7 @@ class Accounting:
 
     def tombstones(self, block: Block) -> None:
         """A block of tombstones reached the consumer."""
+        self.changed.add(block.lane)
         self._close_rows(block)
         closes = block.close_counts().tolist()
         reasons = block.reason or [None] * len(block)
@@ -307,15 +316,18 @@ class Accounting:
             self.lanes[dropped.lane].samples_dropped += self._rows_received(dropped, outputs=0)
             return
         lane = self.lanes[dropped.meta.lane_id]
+        self.changed.add(dropped.meta.lane_id)
         lane.samples_dropped += self._close_record(dropped)
         lane.delivered(dropped, count_output=False)
 
     def sentinel(self, lane_id: int, boundary: int) -> None:
         """Everything of ``lane_id`` before the sentinel of chunk ``boundary`` was received."""
+        self.changed.add(lane_id)
         self.lanes[lane_id].sentinel_delivered(boundary)
 
     def lane_ended(self, lane_id: int) -> None:
         """The lane has ended and the caller has received all of its output."""
+        self.changed.add(lane_id)
         self.lanes[lane_id].finish()
 
     # ------------------------------------------------------------------ reports
@@ -357,6 +369,7 @@ class Accounting:
         closes = list(closed_offsets(meta))
         if not self.flush_every:
             lane = self.lanes[meta.lane_id]
+            self.changed.add(meta.lane_id)
             for chunk_id, offset in closes:
                 lane.close(chunk_id, offset)
         if self.samples is not None:
@@ -370,6 +383,7 @@ class Accounting:
             return  # epochs end at sentinels: closures are not needed
         chunks, offsets = block.closed_offsets()
         if not self.flush_every:
+            self.changed.add(block.lane)
             self.lanes[block.lane].close_grouped(chunks, offsets)
         if self.samples is not None:
             self.samples.add_arrays(block.lane, chunks, offsets)
@@ -382,6 +396,7 @@ class Accounting:
         if not n:
             return 0
         lane = self.lanes[block.lane]
+        self.changed.add(block.lane)
         ids = block.ids
         chunk_ids = ids[:, ID_CHUNK]
         k = self.flush_every
@@ -403,12 +418,9 @@ class Accounting:
                 self.samples.add_arrays(block.lane, chunk_ids, ids[:, ID_OFFSET])
             closes = n
         else:
-            epochs = chunk_ids // k if k else chunk_ids
-            values, counts = np.unique(epochs, return_counts=True)
-            for epoch, count in zip(values.tolist(), counts.tolist()):
-                per_epoch[epoch] = per_epoch.get(epoch, 0) + count
+            _count_epochs(per_epoch, chunk_ids, k)
             self._close_rows(block)
-            closes = int(block.close_counts().sum())
+            closes = _closes(block)
         lane.cursor = block.cursor_key(n - 1)
         lane.cursor_epoch = lane.epoch_of(lane.cursor[0])
         lane.outputs += outputs
@@ -424,6 +436,45 @@ class Accounting:
         self.bad_total += closes
         self.bad_counts[reason] = self.bad_counts.get(reason, 0) + closes
         return len(self.bad) < _KEEP_BAD
+
+
+def _count_epochs(per_epoch: dict[int, int], chunk_ids: np.ndarray, k: int) -> None:
+    """Add rows of these chunk ids to ``per_epoch`` (epoch -> rows; ``k``: chunks an
+    epoch, 0 for one chunk each). A batch's rows are usually of one epoch: counted
+    from the smallest and largest id, with no sort."""
+    if len(chunk_ids) <= _FEW:  # a batch: a few rows, cheaper as Python ints
+        values = chunk_ids.tolist()
+        low, high = min(values), max(values)
+    else:
+        low, high = int(chunk_ids.min()), int(chunk_ids.max())
+    if k:
+        low, high = low // k, high // k
+    if low == high:
+        per_epoch[low] = per_epoch.get(low, 0) + len(chunk_ids)
+        return
+    epochs, counts = np.unique(chunk_ids // k if k else chunk_ids, return_counts=True)
+    for epoch, count in zip(epochs.tolist(), counts.tolist()):
+        per_epoch[epoch] = per_epoch.get(epoch, 0) + count
+
+
+def _closes(block: Block) -> int:
+    """How many base offsets a block's rows close: ``block.close_counts().sum()``,
+    without the per-row array (a row with pieces closes its pieces marked last; a row
+    without any, itself)."""
+    contributors = block.contributors
+    if contributors is None:
+        return len(block)
+    offsets = contributors.offsets
+    rows = len(offsets) - 1
+    if rows <= 0:
+        return 0
+    marked = int(contributors.last[int(offsets[0]):int(offsets[-1])].sum())
+    bare = rows - int(np.count_nonzero(offsets[1:] != offsets[:-1]))
+    return marked + bare
+
+
+#: Rows up to which :func:`_count_epochs` reads the ids as Python ints.
+_FEW = 64
 
 
 #: The name ``checkpoint.py`` gave the progress half of these books before they merged.

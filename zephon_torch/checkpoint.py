@@ -88,6 +88,7 @@ __all__ = [
     "differing_parts",
     "fingerprint_parts",
     "key_from_json",
+    "key_to_json",
     "merge_states",
     "refuse_nondeterministic",
     "shards_appended_since",
@@ -148,7 +149,7 @@ def lane_state(progress: LaneProgress,
         first, last = span
         window = sorted(c for c in chunks if first <= progress.epoch_of(c) <= last)
         if progress.cursor_epoch is not None and progress.cursor_epoch >= first:
-            cursor = _key_to_json(progress.cursor)
+            cursor = key_to_json(progress.cursor)
             count = sum(n for e, n in progress.delivered_in_epoch.items() if first <= e <= last)
     if progress.finished or progress.lane >= lanes.total:  # (a lane of a later growth)
         nxt: ScheduleState | None = None
@@ -177,7 +178,7 @@ def lane_state(progress: LaneProgress,
     return entry
 
 
-def _key_to_json(key: tuple) -> list[Any]:
+def key_to_json(key: tuple) -> list[Any]:
     chunk_id, offset, lineage, sample_id = key
     return [chunk_id, offset, list(lineage), list(sample_id)]
 

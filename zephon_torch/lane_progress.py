@@ -119,6 +119,9 @@ class LaneProgress:
     samples_delivered: int = 0  # base samples closed by what the caller received
     samples_dropped: int = 0  # replayed samples the caller had received before
     tombstoned: dict[str, int] = field(default_factory=dict)  # reason -> samples
+    #: Moves whenever a chunk is registered in or forgotten from ``chunks`` (so that a
+    #: reader can tell that the chunks are still those it saw: ``runners/snapshots.py``).
+    chunks_version: int = field(default=0, compare=False, repr=False)
 
     def epoch_of(self, chunk_id: int) -> int:
         """The epoch of chunk ``chunk_id`` (the chunk itself when there are no sentinels)."""
@@ -130,6 +133,7 @@ class LaneProgress:
         self.read += size
         self.registered_until = max(self.registered_until, chunk.chunk_id + 1)
         self.chunks[chunk.chunk_id] = _ChunkProgress(size, chunk.start)
+        self.chunks_version += 1
         if not self.flush_every:
             if size:
                 self.incomplete[chunk.chunk_id] = size
@@ -201,6 +205,7 @@ class LaneProgress:
         if epoch <= self.done_epoch:
             return
         self.done_epoch = epoch
+        self.chunks_version += 1
         for cid in [c for c in self.chunks if self.epoch_of(c) < epoch]:
             del self.chunks[cid]
         for e in [e for e in self.delivered_in_epoch if e < epoch]:

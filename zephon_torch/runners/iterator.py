@@ -50,6 +50,7 @@ from zephon_torch.runners.handover import Handover
 from zephon_torch.runners.options import ITER_KWARGS, RUNNERS, RunOptions
 from zephon_torch.runners.registry import runner_spec
 from zephon_torch.runners.report import Report
+from zephon_torch.runners.snapshots import SnapshotBook, StateSnapshot
 from zephon_torch.sources.base import thread_bytes_read
 from zephon_torch.sources.lane_plan import lane_count
 from zephon_torch.sources.schedule import Chunk
@@ -147,6 +148,7 @@ class PipelineIterator(Handover, Report):
         self._fingerprint = pipeline.fingerprint()
         self._stage_names = pipeline.stage_names()
         self._fingerprint_parts: dict[str, str] | None = None  # made at the first state
+        self._snapshots: SnapshotBook | None = None  # made at the first state_snapshot()
         # Held by __next__ while it hands an item over and updates the accounting, and by
         # state_dict()/stats() while they read it: a checkpoint thread then sees the
         # position after some item the caller received, never one half-way through an
@@ -406,6 +408,26 @@ class PipelineIterator(Handover, Report):
         return resume.make_state(deterministic=True, parts=self._parts(),
                                  num_lanes=lane_count(self.pipeline.source), lanes=lanes,
                                  round_robin=round_robin, epoch=self.epoch)
+
+    def state_snapshot(self) -> StateSnapshot:
+        """:meth:`state_dict` of this moment, taken for the price of the lanes that changed;
+        its ``state()`` builds the dict (see ``snapshots.py``; the loader takes one per batch).
+
+        Raises:
+            NotCheckpointableError: As :meth:`state_dict`.
+        """
+        if not self.checkpointable:
+            raise refuse_nondeterministic("state_dict()")
+        with self._exclusive():
+            if self._at_loaded:
+                return StateSnapshot.ready(resume.narrow_state(self._loaded, self.lanes))
+            self._settle_all()
+            if self._snapshots is None:
+                self._snapshots = SnapshotBook(self.lanes, lane_count(self.pipeline.source))
+            return self._snapshots.take(
+                self.accounting, self._loaded, self._replaying(), self.emitter,
+                parts=self._parts(), round_robin={"lanes": list(self.lanes), "index": self._rr},
+                epoch=self.epoch, plan=self.schedule.lanes)
 
     def state_for_snapshot(self) -> dict[str, Any]:
         """:meth:`state_dict`, or under ``deterministic=False`` a state that refuses to load.

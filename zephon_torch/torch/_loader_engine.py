@@ -5,7 +5,10 @@ A producer runs the pipeline's iterator and turns each item into an *event*:
 (``to_training`` output, or the ``SampleBatch``) and ``state`` is the
 iterator's ``state_dict()`` right after that item (None under
 ``deterministic=False``, which cannot checkpoint), then one
-``("end", state)``. Sending the state *with* the batch is what lets the
+``("end", state)``. In this process (:class:`InProcessProducer`) a batch's
+state is a :class:`~zephon_torch.runners.snapshots.StateSnapshot` of that
+moment, whose ``state()`` is the dict: the loader keeps one per batch and
+builds few. Sending the state *with* the batch is what lets the
 loader prefetch freely and still checkpoint exactly: the loader keeps the
 state of the last batch it handed to the caller, never the state of what
 the engine has produced ahead.
@@ -172,12 +175,17 @@ def open_iterator(spec: EngineSpec) -> Any:
     return it
 
 
-def run_pipeline(spec: EngineSpec, it: Any = None) -> Iterator[tuple]:
+def run_pipeline(spec: EngineSpec, it: Any = None, *, lazy: bool = False) -> Iterator[tuple]:
     """The producer loop: ``("batch", payload, state)`` events, then ``("end", state)``.
 
     Args:
         spec: What to run.
         it: The iterator, when :func:`open_iterator` made it already.
+        lazy: Each batch's state is a
+            :class:`~zephon_torch.runners.snapshots.StateSnapshot` (its
+            ``state()`` is the dict), taken for the price of the lanes that
+            changed, rather than the whole dict: for a consumer in this
+            process, which asks for few of them. The end's state is a dict.
 
     The iterator is closed (its workers joined) when the generator ends or is closed.
     """
@@ -188,12 +196,13 @@ def run_pipeline(spec: EngineSpec, it: Any = None) -> Iterator[tuple]:
         # deterministic=False cannot checkpoint: no state travels (None), and the
         # loader's state_dict() raises saying why.
         state_of = it.state_dict if it.checkpointable else lambda: None
+        batch_state = it.state_snapshot if lazy and it.checkpointable else state_of
         for item in it:
             if type(item) is Finished:  # to_training ran in its lane worker
                 payload = _decode(item.payload)
             else:
                 payload = item if kwargs is None else item.to_training(**kwargs)
-            yield ("batch", payload, state_of())
+            yield ("batch", payload, batch_state())
         yield ("end", state_of())
     finally:
         it.close()
@@ -242,7 +251,8 @@ class InProcessProducer:
         """The events, produced here and now."""
         it = self._iterator if self._iterator is not None else open_iterator(self._spec)
         self.iterator = it
-        self._events = run_pipeline(self._spec, it)
+        # The loader keeps each batch's state and builds few: snapshots (see run_pipeline).
+        self._events = run_pipeline(self._spec, it, lazy=True)
         return self._events
 
     def credit(self) -> None:

@@ -32,6 +32,7 @@ from zephon_torch.runners.resume import (
     narrow_state,
     with_grown_lanes,
 )
+from zephon_torch.runners.snapshots import StateSnapshot
 from zephon_torch.sources.lane_plan import lane_count
 from zephon_torch.topology import owned_lanes, resolve_topology
 from zephon_torch.torch._loader_dist import gather as gather_states
@@ -129,8 +130,17 @@ def _state_before(self, held: int, *, epoch_over: bool = False) -> dict[str, Any
     if state is not None:
         # Only this rank's lanes of a (possibly merged) state, so that gathers merge;
         # a copy, which the caller may edit.
-        return narrow_state(copy.deepcopy(state), self._own_lanes())
+        return narrow_state(state_copy(state), self._own_lanes())
     return self._fresh_state()
+
+
+def state_copy(state: dict[str, Any] | StateSnapshot) -> dict[str, Any]:
+    """A copy of a state the loader keeps, which the caller may edit: the position
+    remembers each batch's state as a snapshot (built here), or a dict (loaded, or an
+    end)."""
+    if type(state) is StateSnapshot:
+        return state.state()  # a fresh dict at each call
+    return copy.deepcopy(state)
 
 
 @_loader_method
@@ -199,7 +209,7 @@ def _stopped(self) -> None:
     """
     position = self._position
     epoch = self._epochs.epoch
-    base = position.state if position.state is not None else self._fresh_state(epoch)
+    base = state_copy(position.state) if position.state is not None else self._fresh_state(epoch)
     position.state = stopped_state(base)
     if not position.count:
         rank, world_size = resolve_topology(self.rank, self.world_size)

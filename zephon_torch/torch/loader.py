@@ -55,6 +55,9 @@ How one iteration is laid out (``num_workers=N >= 1``, the default runner ``"lan
   caller* (:class:`Position`), so :meth:`DataLoader.state_dict` never counts
   what was only prefetched (by the prefetch thread, or by the workers), and
   loading it into a fresh loader, with any ``num_workers``, continues exactly.
+  In this process that state is a snapshot (``runners/snapshots.py``),
+  taken for the price of the lanes whose books changed; the dict is built
+  when :meth:`DataLoader.state_dict` asks for it.
 * **Under Lightning.** ``Trainer.fit`` fetches one batch ahead of the
   training step and saves the train loader's ``state_dict()`` in its
   checkpoints. When that call comes from within Lightning's fit loop, the

@@ -11,8 +11,14 @@ own) over the corpus of ``compare.py`` (generated, cached under
   in the files to the row's place in the output (1.0: file order; nearer 0:
   better mixed), and ``disp``: the mean displacement of a row from its
   document's place, as a share of the run (0.0: file order);
-* ``state B/lane``: the bytes of ``json.dumps(state_dict())`` taken half way
-  through, over the lanes it holds.
+* ``state B/lane``: the bytes of ``json.dumps(state_dict())`` taken after 100
+  batches, over the lanes it holds;
+* ``replayed`` and ``resume s``: a resume from that state (inline): the
+  samples its lanes read again to rebuild their windows, and the seconds to
+  its first batch.
+
+Each configuration runs ``--rounds`` times (alternating); medians are shown,
+then the ratios of each lane count to the first.
 
 Run::
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -82,6 +89,7 @@ def child(job: str, mb: float, lanes: int, shuffle: int, chunk: int) -> dict[str
     firsts: list[tuple[int, int]] = []
     state_bytes = 0
     state_lanes = 0
+    blob = ""
     with _TreeMemory() as memory:
         start = time.perf_counter()
         it = pipe.iter(runner="inline")
@@ -95,6 +103,13 @@ def child(job: str, mb: float, lanes: int, shuffle: int, chunk: int) -> dict[str
                 state_lanes = len(json.loads(blob)["lanes"])
         seconds = time.perf_counter() - start
         it.close()
+    resumed = pipe.iter(runner="inline")
+    start = time.perf_counter()
+    resumed.load_state_dict(json.loads(blob))
+    next(resumed)
+    resume_s = time.perf_counter() - start
+    replayed = sum(resumed.stats()["replayed_by_lane"].values())
+    resumed.close()
     rho, disp = order_quality([shard * 10_000_000 + local for shard, local in firsts])
     res = tally.result()
     return {"job": job, "lanes": lanes, "seconds": seconds,
@@ -102,7 +117,8 @@ def child(job: str, mb: float, lanes: int, shuffle: int, chunk: int) -> dict[str
             "padding": 1 - res["tokens"] / max(1, res["rows"] * ROW),
             "rows": res["rows"], "tokens": res["tokens"], "rho": rho, "disp": disp,
             "state_bytes": state_bytes, "state_lanes": state_lanes,
-            "bytes_per_lane": state_bytes / max(1, state_lanes)}
+            "bytes_per_lane": state_bytes / max(1, state_lanes),
+            "replayed": replayed, "resume_s": resume_s}
 
 
 def main() -> None:
@@ -120,18 +136,36 @@ def main() -> None:
         print(json.dumps(child(job, args.mb, int(lanes), args.shuffle, args.chunk)))
         return
     lanes_list = [int(x) for x in args.lanes.split(",")]
-    print(f"{'job':6} {'lanes':>6} {'Mtok/s':>7} {'PSS MB':>7} {'padding':>8} {'rho':>6} "
-          f"{'disp':>6} {'state B/lane':>12}")
+    results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for job in args.jobs.split(","):
             for lanes in lanes_list:
                 cmd = [sys.executable, __file__, "--mb", str(args.mb), "--shuffle",
                        str(args.shuffle), "--chunk", str(args.chunk), "--child", f"{job}:{lanes}"]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-                r = json.loads(out.stdout.strip().splitlines()[-1])
-                print(f"{job:6} {lanes:>6} {r['mtok_s']:>7.2f} {r['pss_mb']:>7.0f} "
-                      f"{r['padding']:>8.4f} {r['rho']:>6.3f} {r['disp']:>6.3f} "
-                      f"{r['bytes_per_lane']:>12.0f}", flush=True)
+                results.setdefault((job, lanes), []).append(
+                    json.loads(out.stdout.strip().splitlines()[-1]))
+    keys = ("mtok_s", "pss_mb", "padding", "rho", "disp", "bytes_per_lane", "replayed",
+            "resume_s")
+    print(f"{args.mb:g} MB corpus, chunk_size {args.chunk}, shuffle {args.shuffle} rows in all, "
+          f"inline, medians of {args.rounds} round(s)")
+    print(f"{'job':6} {'lanes':>6} {'Mtok/s':>7} {'PSS MB':>7} {'padding':>8} {'rho':>6} "
+          f"{'disp':>6} {'state B/lane':>12} {'replayed':>9} {'resume s':>9}")
+    med: dict[tuple[str, int], dict[str, float]] = {}
+    for (job, lanes), runs in results.items():
+        m = med[(job, lanes)] = {k: statistics.median(r[k] for r in runs) for k in keys}
+        print(f"{job:6} {lanes:>6} {m['mtok_s']:>7.2f} {m['pss_mb']:>7.0f} "
+              f"{m['padding']:>8.4f} {m['rho']:>6.3f} {m['disp']:>6.3f} "
+              f"{m['bytes_per_lane']:>12.0f} {m['replayed']:>9.0f} {m['resume_s']:>9.2f}")
+    for job in args.jobs.split(","):
+        base = med[(job, lanes_list[0])]
+        for lanes in lanes_list[1:]:
+            m = med[(job, lanes)]
+            print(f"{job} {lanes} lanes / {lanes_list[0]}: throughput "
+                  f"{m['mtok_s'] / base['mtok_s']:.2f}x, "
+                  f"peak PSS {m['pss_mb'] / base['pss_mb']:.2f}x, "
+                  f"padding {m['padding'] / max(base['padding'], 1e-12):.2f}x, replayed "
+                  f"{m['replayed'] / max(base['replayed'], 1):.1f}x")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ from typing import Any, TypedDict, TypeVar
 __all__ = ["SOURCE_OPTION_NAMES", "SourceKwargs", "SourceOptions", "document_source_options"]
 
 _POSITIVE_HINTS = {
-    "num_lanes": "it is the unit of parallelism, fixed for a run: use at least the largest "
-                 "world size you will train on (8 is the default)",
+    "num_lanes": "it is the unit of parallelism: use at least the world size you start on "
+                 "(8 is the default; a resume can grow it, Pipeline.change_lanes)",
     "chunk_size": "it is the number of samples a lane reads at a time (512 is the default)",
     "passes": "use a count of trips over the data, or None to repeat forever",
 }
@@ -60,8 +60,9 @@ class SourceOptions:
 
     Attributes:
         num_lanes: Lanes the samples are dealt to. A lane is the unit of
-            parallelism and of checkpoints, fixed for a run: use at least
-            the largest world size you will train on.
+            parallelism and of checkpoints: use at least the world size you
+            start on; a resume on more ranks grows them from its step on
+            (``Pipeline.change_lanes``).
         chunk_size: Samples a lane reads at a time (the unit of the work
             schedule).
         seed: Seed of the read order: the order of the shards, read

@@ -556,7 +556,8 @@ def grain_contender(job: str, files: list[str], tokenizer: str, workers: int = 0
 
 def zephon_pipeline(job: str, files: list[str], tokenizer: str, *, algorithm: str = "first_fit",
                     shuffle_batch: bool = True, flush_every: int | None = None,
-                    shuffle_source: bool = False, num_lanes: int = 1) -> Any:
+                    shuffle_source: bool = False, num_lanes: int = 1,
+                    source_defaults: bool = False) -> Any:
     """The same job as a zephon_torch pipeline.
 
     ``flush_every`` is the source's ``flush_every_k_chunks``: ``None`` keeps the
@@ -566,12 +567,14 @@ def zephon_pipeline(job: str, files: list[str], tokenizer: str, *, algorithm: st
     order as the hand-written contenders do; True is the default of a file
     source (a seeded shard and row-group order per pass). ``num_lanes`` above 1
     packs each lane's documents apart (the lane workers' contender), so its rows
-    differ a little while the tokens delivered are the same.
+    differ a little while the tokens delivered are the same. ``source_defaults``
+    passes none of these: the source as a user gets it (8 lanes, shuffled).
     """
     import zephon_torch as zt
 
-    source = {"num_lanes": num_lanes, "chunk_size": 512, "shuffle": shuffle_source,
-              "flush_every_k_chunks": flush_every}
+    source = ({} if source_defaults else
+              {"num_lanes": num_lanes, "chunk_size": 512, "shuffle": shuffle_source,
+               "flush_every_k_chunks": flush_every})
     if job == "text":
         tok, _eos = load_tokenizer(tokenizer)
         pipe = (zt.Pipeline.from_jsonl(files, **source)
@@ -585,14 +588,16 @@ def zephon_pipeline(job: str, files: list[str], tokenizer: str, *, algorithm: st
 
 
 def zephon_contender(job: str, files: list[str], tokenizer: str, runner: str = "inline",
-                     workers: int = 1, shuffle: bool = False, num_lanes: int = 1,
-                     **_: Any) -> Any:
+                     workers: int | None = 1, shuffle: bool = False, num_lanes: int = 1,
+                     source_defaults: bool = False, **_: Any) -> Any:
     """zephon_torch with the given runner and worker count; ``to_training`` makes the tensors.
 
     The result also holds the iterator's ``bytes_read`` and ``sample_bytes``
-    (``stats()``), for the read amplification.
+    (``stats()``), for the read amplification. ``workers=None`` is the
+    runner's default worker count; ``source_defaults`` see :func:`zephon_pipeline`.
     """
-    pipe = zephon_pipeline(job, files, tokenizer, shuffle_source=shuffle, num_lanes=num_lanes)
+    pipe = zephon_pipeline(job, files, tokenizer, shuffle_source=shuffle, num_lanes=num_lanes,
+                           source_defaults=source_defaults)
 
     def run() -> dict[str, int]:
         tally = Tally()
@@ -620,6 +625,11 @@ CONTENDERS: dict[str, tuple[Any, dict[str, Any]]] = {
     "DataLoader-2": (torch_dataloader, {"workers": 2}),
     "zephon-inline": (zephon_contender, {"runner": "inline"}),
     "zephon-inline-shuffled": (zephon_contender, {"runner": "inline", "shuffle": True}),
+    # The default configuration: the source's defaults (8 lanes, shuffled), inline and
+    # under iter()'s defaults (threads, the default worker count).
+    "zephon-inline-default": (zephon_contender, {"runner": "inline", "source_defaults": True}),
+    "zephon-default": (zephon_contender, {"runner": "threads", "workers": None,
+                                          "source_defaults": True}),
     "zephon-threads-1": (zephon_contender, {"runner": "threads", "workers": 1}),
     "zephon-threads-2": (zephon_contender, {"runner": "threads", "workers": 2}),
     "zephon-process-1": (zephon_contender, {"runner": "process", "workers": 1}),

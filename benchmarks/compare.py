@@ -30,7 +30,10 @@ deliver the same non-pad tokens and the same token checksum; a mismatch is
 printed as a ``MISMATCH`` line. The zephon contenders read the files in
 order (the source's ``shuffle=False``, as every other contender does), except
 ``zephon-inline-shuffled``, the default source (a seeded shard, block and
-sample order per pass); for each zephon contender the tables also give the
+sample order per pass), and the default configuration: ``zephon-inline-default``
+(every source option at its default: 8 lanes, chunks of 512, shuffled; inline)
+and ``zephon-default`` (the same under ``iter()``'s defaults: threads, the
+default worker count); for each zephon contender the tables also give the
 read amplification, ``stats()["bytes_read"]`` over the files' sizes (1.00:
 every byte read once).
 
@@ -70,11 +73,13 @@ JOBS = ("text", "token", "token-rg", "padding", "overhead", "memory", "lengths")
 THROUGHPUT_JOBS = ("text", "token", "token-rg")
 TEXT_CONTENDERS = ("tokenize_only", "handwritten", "torchdata.nodes-2", "grain", "grain-mp-2",
                    "DataLoader-2", "zephon-inline", "zephon-inline-shuffled",
+                   "zephon-inline-default", "zephon-default",
                    "zephon-threads-1", "zephon-threads-2", "zephon-process-1",
                    "zephon-process-2", "zephon-lanes-2")
 SCALING_CONTENDERS = ("handwritten", "torchdata.nodes-2", "zephon-inline", "zephon-threads-2",
                       "zephon-process-2")
-MEMORY_CONTENDERS = ("handwritten", "zephon-inline", "zephon-threads-2", "zephon-process-2")
+MEMORY_CONTENDERS = ("handwritten", "zephon-inline", "zephon-inline-default", "zephon-default",
+                     "zephon-threads-2", "zephon-process-2")
 CHILD_TIMEOUT_S = 3600
 
 
@@ -334,14 +339,17 @@ def target_lines(job: str, summary: dict[str, dict]) -> list[str]:
         r = shuffled["rate"] / inline["rate"]
         lines.append(f"- zephon-inline-shuffled (default shuffle=True) / zephon-inline "
                      f"(shuffle=False): {r:.2f} (target >= 0.90: {_verdict(r, 0.90)})")
-    for name in ("zephon-inline", "zephon-inline-shuffled"):
+    for name in ("zephon-inline", "zephon-inline-shuffled", "zephon-inline-default",
+                 "zephon-default"):
         amp = summary.get(name, {}).get("read_amplification")
         if amp is not None and job != "text":
             lines.append(f"- read amplification of {name}: {amp:.2f} (target <= 1.10: "
                          f"{_verdict(amp, 1.10, higher=False)})")
     hw = summary.get("handwritten", {})
     if "pss_mb" in hw:
-        for name, target in (("zephon-inline", 1.1), ("zephon-threads-1", 1.1),
+        # The default configuration (issue 23): at most 1.2x the hand-written loop.
+        for name, target in (("zephon-inline", 1.1), ("zephon-inline-default", 1.2),
+                             ("zephon-default", 1.2), ("zephon-threads-1", 1.1),
                              ("zephon-threads-2", 1.1), ("zephon-process-2", 1.2)):
             row = summary.get(name, {})
             if "pss_mb" in row:

@@ -122,23 +122,52 @@ class _BlockReservoir:
     """One lane's reservoir of rows: where each slot's row lives, and the salts.
 
     Rows stay in the blocks they arrived in (``pool``); slot ``j`` holds row
-    ``rows[j]`` of block ``owners[j]``. Once the reservoir refers to many
-    blocks it is compacted into one block of its rows, so that a row that
-    lingers does not keep its whole arrival block alive.
+    ``rows[j]`` of block ``owners[j]``. ``counts[b]`` is how many slots still
+    hold a row of ``pool[b]``: once none does, the block is let go at once
+    (its place in the pool is kept, as ``None``, so owners keep their
+    numbers). ``live_rows`` is the rows of the blocks not let go. A block
+    with one lingering row still holds all of its rows, so once those blocks
+    hold more than twice the reservoir's size in rows, or the pool has many
+    entries, the held rows are compacted into one block of their own and
+    the blocks they came from are released: what the reservoir keeps alive
+    stays within about twice its size, whatever the size of the blocks that
+    arrive (blocks of a few dozen packed rows into a lane's share of 128
+    rows would otherwise keep a dozen times the share alive).
     """
 
-    __slots__ = ("evictions", "owners", "pool", "rows", "salts")
+    __slots__ = ("counts", "evictions", "live_rows", "owners", "pool", "rows", "salts")
 
     def __init__(self) -> None:
-        self.pool: list[Block] = []
+        self.pool: list[Block | None] = []
+        self.counts: list[int] = []
+        self.live_rows = 0
         self.owners: list[int] = []
         self.rows: list[int] = []
         self.salts: list[int] = []
         self.evictions = 0
 
+    def add(self, block: Block) -> int:
+        """Put ``block`` in the pool (every row of it is about to take a slot); its owner
+        number."""
+        self.pool.append(block)
+        self.counts.append(len(block))
+        self.live_rows += len(block)
+        return len(self.pool) - 1
+
+    def release(self, owners: Sequence[int]) -> None:
+        """One slot's row of each of ``owners`` left the reservoir; let go of the blocks
+        no slot refers to any more."""
+        counts = self.counts
+        for owner in owners:
+            counts[owner] -= 1
+            if not counts[owner]:
+                block = self.pool[owner]
+                self.live_rows -= len(block)  # type: ignore[arg-type]
+                self.pool[owner] = None
+
     def gather(self, owners: Sequence[int], rows: Sequence[int]) -> Block:
         """The rows ``(owners[i], rows[i])`` as one block, in that order."""
-        return Block.gather(self.pool, owners, rows)
+        return Block.gather(self.pool, owners, rows)  # type: ignore[arg-type]
 
     def drain(self) -> list[Block]:
         """Every held row sorted by salt (ties by cursor key), emptying the reservoir:
@@ -157,29 +186,41 @@ class _BlockReservoir:
         order = np.argsort(salts, kind="stable")
         ranked = salts[order]
         if len(ranked) > 1 and bool((ranked[1:] == ranked[:-1]).any()):
-            keyed = sorted((salt, self.pool[owner].cursor_key(row), i) for i, (salt, owner, row)
+            keyed = sorted((salt, self.pool[owner].cursor_key(row), i)  # type: ignore[union-attr]
+                           for i, (salt, owner, row)
                            in enumerate(zip(self.salts, self.owners, self.rows)))
             order = np.array([i for _, _, i in keyed], dtype=np.int64)
         owners = np.asarray(self.owners, dtype=np.int64)[order]
         rows = np.asarray(self.rows, dtype=np.int64)[order]
         pool = self.pool
-        self.pool, self.owners, self.rows, self.salts = [], [], [], []
-        return [Block.gather(pool, owners[i:i + _DRAIN_ROWS], rows[i:i + _DRAIN_ROWS])
+        self.pool, self.counts, self.live_rows = [], [], 0
+        self.owners, self.rows, self.salts = [], [], []
+        return [Block.gather(pool, owners[i:i + _DRAIN_ROWS],  # type: ignore[arg-type]
+                             rows[i:i + _DRAIN_ROWS])
                 for i in range(0, len(owners), _DRAIN_ROWS)]
+
+    def needs_compacting(self, size: int) -> bool:
+        """Whether the pool holds enough rows no slot needs to be worth a compaction."""
+        return len(self.pool) > _POOL_LIMIT or self.live_rows > _LIVE_FACTOR * size
 
     def compact(self) -> None:
         """Rewrite the held rows as one block, releasing the blocks they came from."""
         if not self.owners:
-            self.pool = []
+            self.pool, self.counts, self.live_rows = [], [], 0
             return
         held = self.gather(self.owners, self.rows)
         self.pool = [held]
+        self.counts = [len(held)]
+        self.live_rows = len(held)
         self.owners = [0] * len(held)
         self.rows = list(range(len(held)))
 
 
 # Blocks a reservoir may refer to before it is compacted.
 _POOL_LIMIT = 32
+# Rows (of the blocks it still refers to) a reservoir may keep alive, in multiples of
+# its size, before it is compacted.
+_LIVE_FACTOR = 2
 # Rows per block of a drain (see _BlockReservoir.drain): a multiple of the usual
 # batch sizes, so that batches cut downstream rarely straddle two blocks.
 _DRAIN_ROWS = 64
@@ -221,8 +262,7 @@ class ReservoirShuffleAccumulator(Accumulator):
             res = self._blocks[lane] = _BlockReservoir()
         size = self.buffer_size
         salts = block_salts(self._prefix, block)
-        owner = len(res.pool)
-        res.pool.append(block)
+        owner = res.add(block)
         fill = max(0, min(n, size - len(res.owners)))
         if fill:
             res.owners.extend([owner] * fill)
@@ -243,7 +283,8 @@ class ReservoirShuffleAccumulator(Accumulator):
                 held_salts[slot] = late[i]
             res.evictions += len(slots)
             out.append(res.gather(out_owners, out_rows))
-        if len(res.pool) > _POOL_LIMIT:
+            res.release(out_owners)
+        if res.needs_compacting(size):
             res.compact()
         return out
 

@@ -12,7 +12,7 @@ import hashlib
 import os
 import posixpath
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -163,21 +163,24 @@ T = TypeVar("T")
 
 
 def read_once(cache: ReadOnceCache, locks: KeyedLocks, shard_id: int, unit: int,
-              load: Callable[[], tuple[T, int]]) -> T:
+              load: Callable[[], tuple[T, int]], *, key: Hashable | None = None) -> T:
     """A read unit (a block of lines, a row group) of a shard, loaded at most once.
 
     ``load`` gives the unit and how many of its samples will be read; the
     unit is kept in ``cache`` until that many have been. Threads that want a
     unit being loaded wait for that one load (``locks`` holds one lock per
-    shard) instead of loading it again.
+    shard) instead of loading it again. ``key`` is the unit's place in the
+    cache: the shard (``None``, one unit kept per shard) or ``(shard_id,
+    unit)``, where several units of one shard may be read at once.
     """
-    cached = cache.get(shard_id, unit)
+    key = shard_id if key is None else key
+    cached = cache.get(key, unit)
     if cached is not None:
         return cached
     with locks(shard_id):
-        cached = cache.get(shard_id, unit)
+        cached = cache.get(key, unit)
         if cached is not None:
             return cached
         value, samples = load()
-        cache.put(shard_id, unit, value, samples)
+        cache.put(key, unit, value, samples)
     return value

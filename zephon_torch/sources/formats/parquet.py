@@ -230,10 +230,11 @@ class ParquetDataset(FileDataset):
 
     Counting uses the file metadata only. :meth:`read` maps local ids to row
     groups (cumulative row counts) and decodes only the row groups it needs;
-    the last decoded row group of each shard is kept (a small per-process
-    LRU) until as many of its rows have been read as it holds, so
-    neighbouring ids do not decode it again and a finished group does not
-    linger. A row is a dict; a list
+    a decoded row group is kept (a small per-process LRU of row groups, of
+    any shards) until as many of its rows have been read as it holds, so
+    neighbouring ids do not decode it again, a finished group does not
+    linger, and reads going on in two groups of one shard at once (chunks
+    fetched side by side) do not evict each other's. A row is a dict; a list
     column of numbers becomes a numpy array of its type (``list<int32>`` ->
     ``np.int32``), everything else Python values. Those arrays are writable
     and hold no Arrow memory: the rows of one :meth:`read` are slices of one
@@ -259,7 +260,8 @@ class ParquetDataset(FileDataset):
 
     kind = "parquet"
     raw_format = "dict"
-    #: Shards whose last decoded row group is kept (until it is read), per process.
+    #: Decoded row groups kept (each until its rows are read), per process: at most
+    #: this many, as many as when one group was kept per shard for 4 shards.
     row_group_cache_size: ClassVar[int] = 4
 
     def __init__(self, paths: str | Sequence[str], *, columns: Sequence[str] | None = None,
@@ -349,7 +351,7 @@ class ParquetDataset(FileDataset):
         bounds = self._bounds[shard_id]
         return read_once(self._groups, self._decoding, shard_id, row_group, lambda: (
             self._read_row_group(shard_id, row_group),
-            int(bounds[row_group + 1] - bounds[row_group])))
+            int(bounds[row_group + 1] - bounds[row_group])), key=(shard_id, row_group))
 
     def read(self, shard_id: int, local_ids: Sequence[int]) -> list[dict[str, Any]]:
         """One dict per row of ``local_ids``, in the order given."""
@@ -361,7 +363,7 @@ class ParquetDataset(FileDataset):
         first = int(groups[0])
         if first == int(groups[-1]) and bool((groups == first).all()):  # one row group
             rows = _table_rows(self._row_group(shard_id, first), ids - bounds[first])
-            self._groups.spend(shard_id, first, ids.size)
+            self._groups.spend((shard_id, first), first, ids.size)
             return rows
         out: list[Any] = [None] * ids.size
         used, first_use = np.unique(groups, return_index=True)
@@ -371,7 +373,7 @@ class ParquetDataset(FileDataset):
         for group in used[np.argsort(first_use)].tolist():
             where = np.flatnonzero(groups == group)
             rows = _table_rows(self._row_group(shard_id, group), ids[where] - bounds[group])
-            self._groups.spend(shard_id, group, where.size)
+            self._groups.spend((shard_id, group), group, where.size)
             for position, row in zip(where.tolist(), rows):
                 out[position] = row
         return out
@@ -400,7 +402,7 @@ class ParquetDataset(FileDataset):
             run = _table_columns(table, ids[start:stop] - bounds[group])
             if run is None:
                 return None  # the caller reads rows instead (and those count)
-            self._groups.spend(shard_id, group, stop - start)
+            self._groups.spend((shard_id, group), group, stop - start)
             runs.append(run)
         return concat_columns(runs)
 

@@ -335,12 +335,7 @@ def lanes_grown_since(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> boo
     Whether the new ones start where the state leaves nothing fixed is checked
     against the schedule (``state_checks.py``).
     """
-    try:
-        ours = lane_changes_from_json(mine.get("lane_changes"))
-        saved = lane_changes_from_json(theirs.get("lane_changes"))
-    except ValueError:
-        return False
-    return len(ours) > len(saved) and ours[:len(saved)] == saved
+    return _extends(mine, theirs, "lane_changes", lane_changes_from_json)
 
 
 def weights_changed_since(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> bool:
@@ -350,9 +345,16 @@ def weights_changed_since(mine: Mapping[str, Any], theirs: Mapping[str, Any]) ->
     Whether the new ones start where the state leaves nothing fixed is checked
     against the schedule (``state_checks.py``).
     """
+    return _extends(mine, theirs, "weight_changes", changes_from_json)
+
+
+def _extends(mine: Mapping[str, Any], theirs: Mapping[str, Any], part: str,
+             parse: Callable[[Any], list[Any]]) -> bool:
+    """Whether the changes in fingerprint part ``part`` of ``mine`` are those of
+    ``theirs`` followed by one or more (``parse`` reads a part; unreadable: no)."""
     try:
-        ours = changes_from_json(mine.get("weight_changes"))
-        saved = changes_from_json(theirs.get("weight_changes"))
+        ours = parse(mine.get(part))
+        saved = parse(theirs.get(part))
     except ValueError:
         return False
     return len(ours) > len(saved) and ours[:len(saved)] == saved

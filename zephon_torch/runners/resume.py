@@ -126,14 +126,16 @@ def checked_state(state: Any, *, pipeline: Any, fingerprint: Mapping[str, Any],
     """
     state = check_state(state, fingerprint, stage_names=stage_names,
                         deterministic=deterministic)
-    state = with_grown_lanes(state, pipeline)
+    state = with_grown_lanes(state, pipeline, lanes)
     check_lanes_present(state, lanes)
     return state
 
 
-def with_grown_lanes(state: dict[str, Any], pipeline: Any) -> dict[str, Any]:
+def with_grown_lanes(state: dict[str, Any], pipeline: Any,
+                     lanes: Sequence[int] | None = None) -> dict[str, Any]:
     """``state`` (checked against ``pipeline``) with an entry for each lane ``pipeline``
-    grew after it was saved (``Pipeline.change_lanes``, ``sources/lane_plan.py``).
+    grew after it was saved (``Pipeline.change_lanes``, ``sources/lane_plan.py``), or
+    for those of them among ``lanes`` (the ones that resume here).
 
     A new lane starts fresh at its first chunk, as every lane does at the start
     of a run: no window, nothing delivered, its ``next`` the schedule state
@@ -153,8 +155,9 @@ def with_grown_lanes(state: dict[str, Any], pipeline: Any) -> dict[str, Any]:
         raise ValueError(f"the state has {have} lanes, this pipeline {total}")
     schedule = make_schedule(epoch_pipeline(pipeline, state_epoch(state)).source)
     plan = schedule.lanes
-    firsts = {plan.first_chunk(lane): lane for lane in range(have, min(total, plan.total))}
-    entries: dict[str, Any] = {str(lane): _fresh_entry(None) for lane in range(have, total)}
+    new = [lane for lane in (range(have, total) if lanes is None else lanes) if lane >= have]
+    firsts = {plan.first_chunk(lane): lane for lane in new if lane < plan.total}
+    entries: dict[str, Any] = {str(lane): _fresh_entry(None) for lane in new}
     if firsts:
         begin = next_before(state, min(firsts))
         at: ScheduleState | None = (ScheduleState.from_json(begin) if begin is not None

@@ -180,7 +180,7 @@ def load_state_dict(self, state: Mapping[str, Any]) -> None:
     """
     checked = check_state(state, self._fingerprint, stage_names=self.pipeline.stage_names(),
                           deterministic=self.checkpointable)
-    checked = with_grown_lanes(checked, self.pipeline)  # lanes change_lanes added
+    checked = with_grown_lanes(checked, self.pipeline, self._own_lanes())  # change_lanes
     # Another rank's state is refused even when its epoch had ended: taking it as
     # finished would skip what is left of this rank's lanes in that epoch.
     check_lanes_present(checked, self._own_lanes())

@@ -336,3 +336,25 @@ def test_state_size_grows_linearly_with_lanes_and_stays_small() -> None:
     # No more per lane at 1,024 lanes than at 8 (fixed parts spread thinner), and small.
     assert per_lane_bytes[1024] <= per_lane_bytes[8]
     assert per_lane_bytes[1024] < 400, per_lane_bytes
+
+
+def test_the_epoch_after_the_change_runs_every_lane_from_its_start() -> None:
+    pipe = _base()
+    grown = _grown(pipe, 5, 4)[2]
+    # Epoch 1 deals every chunk over the four lanes from the first: g % 4.
+    seen = []
+    for rank in range(4):
+        it = grown.iter(runner="inline", rank=rank, world_size=4, epoch=1)
+        for batch in it:
+            for record in batch.records:  # the source reads in file order in every epoch
+                seen.append((record.meta.lane_id, record.meta.chunk_id, _sample(record)))
+        it.close()
+    assert sorted(s for _, _, s in seen) == list(range(N))
+    deal = {g: (g % 4, g // 4) for g in range(-(-N // CHUNK))}
+    assert all((lane, chunk) == deal[s // CHUNK] for lane, chunk, s in seen)
+    # A state of epoch 1 resumes on another world size.
+    head, later = _head(grown, 7, epoch=1)
+    rest: list[Any] = []
+    for rank in range(2):
+        rest += _resume(grown, later, rank=rank, world_size=2)
+    assert sorted(_sample(r) for b in head + rest for r in b.records) == list(range(N))
